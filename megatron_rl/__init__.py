@@ -1,0 +1,10 @@
+"""megatron_rl: RL post-training of LLMs on Megatron-Core with vocabulary-sharded losses.
+
+Tour:
+  ops/          vocabulary-parallel autograd Functions (log-probs, entropy, sum pi^2, DVP, exact KL)
+  parallel.py   torch.distributed + Megatron parallel_state set-up; explicit process groups
+  compat.py     the CPU compatibility layer for Megatron-Core (applied only without CUDA)
+  testing.py    run a function on N gloo processes (tests, benchmarks)
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,172 @@
+"""Process groups: torch.distributed initialisation and Megatron's ``parallel_state``.
+
+Megatron's global ``parallel_state`` is read here, once, at the edge; everything downstream receives
+the groups it needs explicitly through :class:`ParallelGroups`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its CUDA device when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    init_method: Optional[str] = None,
+    backend: Optional[str] = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Initialise the default process group (no-op if already initialised).
+
+    Rank, world size and rendezvous default to the usual ``RANK`` / ``WORLD_SIZE`` /
+    ``MASTER_ADDR`` / ``MASTER_PORT`` environment (torchrun, Ray workers, SLURM via our scripts).
+    """
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        # Single process without a launcher: a private loopback rendezvous.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Model-parallel sizes. Data parallelism is whatever remains of the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def check(self, world_size: int) -> None:
+        model = self.tp * self.pp * self.cp
+        if world_size % model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
+                f" = {model}; change the parallel sizes or the number of processes"
+            )
+        dp_cp = self.dp(world_size) * self.cp
+        if self.ep > 1 and (dp_cp * self.tp) % self.ep:
+            raise ValueError(
+                f"expert parallel size ep={self.ep} must divide dp*cp*tp = {dp_cp * self.tp}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups one rank needs, read once from Megatron's ``parallel_state``."""
+
+    layout: ParallelLayout
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    ep_rank: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+
+def init_megatron_parallel(layout: ParallelLayout, seed: int = 1234) -> ParallelGroups:
+    """Initialise Megatron's ``parallel_state`` for ``layout`` and return the groups explicitly.
+
+    Requires an initialised default process group. On a machine without CUDA the CPU compatibility
+    layer (:mod:`megatron_rl.compat`) is applied first.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("call megatron_rl.parallel.init_process_group() first")
+    from megatron_rl import compat
+
+    compat.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    layout.check(dist.get_world_size())
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        create_gloo_process_groups=not torch.cuda.is_available(),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelGroups(
+        layout=layout,
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        cp=ps.get_context_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+    )
+
+
+def destroy() -> None:
+    """Tear down Megatron's parallel state and the default process group."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up a fresh virtual environment and run the whole test suite (what CI runs).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv} bash scripts/setup_venv.sh
+. "${VENV:-.venv}/bin/activate"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+python -m pytest -q "$@"

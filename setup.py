@@ -1,0 +1,36 @@
+"""megatron_rl: RL post-training of LLMs on Megatron-Core with vocabulary-parallel losses."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training on Megatron-Core with vocabulary-sharded losses",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    include_package_data=True,
+    install_requires=[
+        # CPU machines install torch==2.13.0 first (scripts/setup_venv.sh); GPU images bring their own.
+        "torch>=2.6",
+        # 0.16.1 is the newest release installable on Python 3.11 and the one the CPU layer is tested with.
+        "megatron-core==0.16.1",
+        "transformers>=4.57",
+        "safetensors>=0.4",
+        "datasets>=3.0",
+        "ray>=2.40",
+        "numpy>=1.26",
+        "pyyaml>=6.0",
+        "rich>=13.0",
+        "tqdm>=4.66",
+        "tensorboard>=2.15",
+        "psutil>=5.9",  # undeclared runtime need of megatron-core's dist-checkpoint save
+        "einops>=0.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
