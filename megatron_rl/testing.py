@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -32,8 +33,9 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, fn, args, r
         import torch.distributed as dist
 
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        out = fn(*args)
-        results.put((rank, "ok", out))
+        # Pickle here so an unpicklable result is reported as this rank's error, not lost in the
+        # queue's feeder thread.
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -102,7 +104,7 @@ def run_distributed(
                         continue
                 if status == "error":
                     raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{payload}")
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
         finally:
             for p in procs:
                 p.join(timeout=5)
@@ -111,3 +113,57 @@ def run_distributed(
                     p.kill()
                     p.join(timeout=5)
     return [outputs[r] for r in range(world_size)]
+
+
+# Tiny HF configs for tests (no downloads). Vocabulary 250 is deliberately not a multiple of 128.
+_TINY_COMMON = dict(
+    vocab_size=250,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+TINY_MODELS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=96, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=96, rope_theta=1e6)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, rope_theta=5e5)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+             norm_topk_prob=True, rope_theta=1e6),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+    ),
+}
+
+
+def tiny_hf_checkpoint(path: str, model_type: str, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random ``model_type`` HF causal LM (float32, safetensors) to ``path``; return it.
+
+    Weights are drawn with a wider std than HF's 0.02 so that layers actually change the logits.
+    """
+    import torch
+    import transformers
+
+    if model_type not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model type {model_type!r}; known: {sorted(TINY_MODELS)}")
+    cfg_cls, model_cls, extra = TINY_MODELS[model_type]
+    kwargs = {**_TINY_COMMON, **extra, **overrides}
+    config = getattr(transformers, cfg_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # non-trivial norms catch a missing / misplaced norm weight
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path
