@@ -1,0 +1,43 @@
+"""Command line: ``megatron-rl <command> ...``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+from typing import List, Optional
+
+
+def _cmd_env(_args: argparse.Namespace) -> int:
+    """Print what this machine offers: versions, devices, optional GPU extras."""
+    import torch
+
+    print(f"python            {platform.python_version()}")
+    print(f"torch             {torch.__version__} (cuda available: {torch.cuda.is_available()})")
+    if torch.cuda.is_available():
+        print(f"gpus              {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+    for mod in ("megatron.core", "transformers", "ray", "datasets", "safetensors", "transformer_engine", "sglang"):
+        try:
+            m = importlib.import_module(mod)
+            print(f"{mod:<17} {getattr(m, '__version__', 'installed')}")
+        except Exception as e:  # noqa: BLE001 - report, never crash
+            print(f"{mod:<17} not available ({type(e).__name__})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-rl", description="RL post-training on Megatron-Core")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("env", help="show versions, devices and optional GPU extras")
+    p.set_defaults(func=_cmd_env)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The embedded rollout engine: a ``transformers`` causal LM sampled in-process (CPU or one GPU).
+
+Serves the same protocol as SGLang so the whole RL loop runs and is tested without a GPU. Its own
+decode loop (left-padded batch + KV cache) rather than ``model.generate`` because we need: one RNG per
+sample (seeded generation independent of batch composition), SGLang's top-k/top-p/min-p semantics,
+exact log-probs of the sampled tokens under a chosen convention (``protocol.py``), and router capture.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_rl.rollout.hf_weights import HFWeightTarget
+from megatron_rl.rollout.protocol import (
+    LOGPROB_MODES, EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample,
+)
+from megatron_rl.rollout.routing import RoutingRecorder
+from megatron_rl.rollout.sampling import RowParams, derive_seed, make_generator, sample_next
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot generate now (memory released, or shut down)."""
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    logprob_mode: str = "raw"  # "raw" (SGLang's default) or "processed"; see protocol.py
+    eos_token_ids: Optional[Tuple[int, ...]] = None  # None: the model config's eos_token_id
+    max_batch_rows: int = 64  # sampled sequences per forward pass (requests x n)
+    seed: int = 0  # seeds requests that carry no seed, in arrival order
+    fill_last_routing: bool = True  # one extra decode step to route the last response token
+    max_context: Optional[int] = None  # None: config.max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.logprob_mode not in LOGPROB_MODES:
+            raise ValueError(f"EmbeddedEngineConfig.logprob_mode={self.logprob_mode!r}: "
+                             f"expected one of {LOGPROB_MODES}")
+        if self.max_batch_rows < 1:
+            raise ValueError(f"EmbeddedEngineConfig.max_batch_rows={self.max_batch_rows}: expected >= 1")
+
+
+@dataclass
+class _Row:
+    """One sequence being sampled: request ``req``'s sample number ``index``."""
+
+    req: GenerateRequest
+    index: int
+    seed: int
+    rid: str
+    tokens: List[int]
+    logprobs: List[float]
+    top_ids: List[torch.Tensor]
+    top_values: List[torch.Tensor]
+    finish: Optional[str] = None
+    matched: Optional[int] = None
+
+
+def _eos_ids(model: torch.nn.Module) -> Tuple[int, ...]:
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
+
+
+class EmbeddedEngine(RolloutEngine):
+    def __init__(self, model: torch.nn.Module, config: Optional[EmbeddedEngineConfig] = None):
+        self.config = config or EmbeddedEngineConfig()
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.eos_ids = tuple(self.config.eos_token_ids) if self.config.eos_token_ids is not None else _eos_ids(model)
+        self.max_context = self.config.max_context or getattr(model.config, "max_position_embeddings", 1 << 30)
+        self.routing = RoutingRecorder(model)
+        self.weights = HFWeightTarget(model)
+        self.weight_version = "default"
+        self.weights_consistent = True  # False after a failed multi-bucket update (see update_weights)
+        self._lock = threading.RLock()  # one forward pass sequence at a time; weight updates wait for it
+        self._seed_gen = make_generator(self.config.seed)
+        self._released = False
+        self._offloaded: Optional[dict] = None
+        self._shut = False
+        self._aborted: set = set()
+        self._abort_epoch = 0
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        # transformers 5 renamed forward(past_key_values=) to forward(cache=); keep both working
+        # (remove the old spelling once setup.py requires transformers>=5).
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: Optional[EmbeddedEngineConfig] = None,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "EmbeddedEngine":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return cls(model, config)
+
+    # ---- protocol -------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> List[Sample]:
+        rows: List[_Row] = []
+        for req in requests:
+            self.check_request(req)
+            rid = req.rid or uuid.uuid4().hex
+            with self._lock:  # the seed stream is shared: draw under the lock to keep arrival order
+                base = req.sampling.seed if req.sampling.seed is not None else int(
+                    torch.randint(0, 2**62, (), generator=self._seed_gen))
+            for j in range(req.sampling.n):
+                rows.append(_Row(req, j, derive_seed(base, j), rid, [], [], [], []))
+        samples: List[Sample] = []
+        for start in range(0, len(rows), self.config.max_batch_rows):
+            samples.extend(self._generate_rows(rows[start:start + self.config.max_batch_rows]))
+        return samples
+
+    def check_request(self, req: GenerateRequest) -> None:
+        """Raise ValueError if this engine cannot serve ``req`` (the server answers 400 with it)."""
+        if not isinstance(req, GenerateRequest):
+            raise TypeError(f"generate() takes GenerateRequest objects, got {type(req).__name__}")
+        if req.return_routed_experts and not self.routing.is_moe:
+            raise ValueError("return_routed_experts=True but the model has no sparse-MoE layers")
+        if len(req.prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens leaves no room in the context "
+                             f"length {self.max_context}; shorten it")
+        vocab = self.model.config.vocab_size
+        if max(req.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token id {max(req.prompt_ids)} >= vocab_size {vocab}")
+
+    def update_weights(self, named_tensor_buckets: Iterable[NamedTensorBucket], version: Any) -> None:
+        """Copy every bucket into the model, then set the version. Each bucket is validated whole before
+        any of it is copied; if bucket ``k`` is rejected, buckets ``< k`` stay applied, the version is not
+        advanced and ``weights_consistent`` turns False (reported by ``health``) until a full update."""
+        with self._lock:
+            self._require_live()
+            applied = 0
+            try:
+                for bucket in named_tensor_buckets:
+                    self.weights.copy_bucket(bucket)  # raises before copying anything of a bad bucket
+                    applied += 1
+            except Exception:
+                if applied:
+                    self.weights_consistent = False
+                raise
+            self.weights_consistent = True
+            self.weight_version = str(version)
+
+    def update_weight_version(self, version: Any) -> None:
+        self.weight_version = str(version)
+
+    def release_memory(self) -> None:
+        """On CUDA: move weights to host memory, freeing the device. On CPU there is nothing to hand to a
+        colocated trainer (weights already live in host memory), so only the state changes: ``generate``
+        refuses until ``resume_memory`` -- the same contract the driver sees with SGLang."""
+        with self._lock:
+            self._require_live()
+            if self._released:
+                return
+            if self.device.type != "cpu":
+                self._offloaded = {"device": self.device}
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+
+    def resume_memory(self) -> None:
+        with self._lock:
+            self._require_live()
+            if self._offloaded is not None:
+                self.model.to(self._offloaded["device"])
+                self._offloaded = None
+            self._released = False
+
+    def health(self) -> EngineHealth:
+        detail = "" if self.weights_consistent else "a weight update failed part-way; weights are mixed"
+        return EngineHealth(healthy=not self._shut and self.weights_consistent, weight_version=self.weight_version,
+                            memory_released=self._released, paused=not self._unpaused.is_set(), detail=detail)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._shut = True
+            self.routing.remove()
+            self._unpaused.set()
+
+    # ---- control used by the HTTP server ----------------------------------------------------------
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """Finish the named (or every) running request with ``finish_reason="abort"`` at the next step."""
+        if abort_all:
+            self._abort_epoch += 1
+        elif rid is not None:
+            self._aborted.add(rid)
+
+    def pause(self) -> None:
+        """Hold running requests in place between decode steps (SGLang ``pause_generation`` in_place)."""
+        self._unpaused.clear()
+
+    def continue_generation(self) -> None:
+        self._unpaused.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    # ---- the decode loop --------------------------------------------------------------------------
+
+    def _require_live(self) -> None:
+        if self._shut:
+            raise EngineUnavailableError("the engine was shut down")
+
+    def _forward(self, ids, mask, pos, cache):
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return out.logits[:, -1, :], new_cache
+
+    def _generate_rows(self, rows: List[_Row]) -> List[Sample]:
+        with self._lock, torch.no_grad():
+            self._require_live()
+            if self._released:
+                raise EngineUnavailableError("engine memory is released; call resume_memory() before generate()")
+            epoch = self._abort_epoch
+            B = len(rows)
+            lens = [len(r.req.prompt_ids) for r in rows]
+            P = max(lens)
+            ids = torch.tensor([[0] * (P - n) + list(r.req.prompt_ids) for r, n in zip(rows, lens)], device=self.device)
+            mask = torch.tensor([[0] * (P - n) + [1] * n for n in lens], device=self.device)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            params = RowParams.from_params([r.req.sampling for r in rows])
+            gens = [make_generator(r.seed) for r in rows]
+            top_n = max(r.req.return_top_logprobs for r in rows)
+            want_routes = any(r.req.return_routed_experts for r in rows)
+            self.routing.enabled = want_routes
+            routes: List[List[torch.Tensor]] = []  # per forward: [L] x [B*S, K]
+            limits = [min(r.req.sampling.max_new_tokens, self.max_context - n) for r, n in zip(rows, lens)]
+            try:
+                self._wait_if_paused(epoch)
+                logits, cache = self._forward(ids, mask, pos, None)
+                if want_routes:
+                    routes.append(self.routing.pop())
+                for step in itertools.count():
+                    res = sample_next(logits, params, gens, self.config.logprob_mode, top_n)
+                    self._record_step(rows, res, limits, epoch)
+                    if all(r.finish for r in rows):
+                        break
+                    self._wait_if_paused(epoch)
+                    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                    pos = pos[:, -1:] + 1
+                    logits, cache = self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos, cache)
+                    if want_routes:
+                        routes.append(self.routing.pop())
+                if want_routes and self.config.fill_last_routing:
+                    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                    self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos[:, -1:] + 1, cache)
+                    routes.append(self.routing.pop())
+            finally:
+                self.routing.enabled = False
+                self.routing.pop()
+                for r in rows:
+                    self._aborted.discard(r.rid)
+            return [self._to_sample(b, r, lens[b], P, routes) for b, r in enumerate(rows)]
+
+    def _wait_if_paused(self, epoch: int) -> None:
+        """Hold the batch while paused. The lock is let go meanwhile so weight updates and version changes
+        go through (SGLang's in-place pause, used for partial rollouts): tokens after ``continue`` then
+        come from the new weights, and ``Sample.weight_version`` is the version at finish."""
+        if self._unpaused.is_set():
+            return
+        self._lock.release()  # held exactly once here: _generate_rows is the only caller
+        try:
+            while not self._unpaused.wait(timeout=0.05):
+                if self._abort_epoch != epoch or self._shut:
+                    break
+        finally:
+            self._lock.acquire()
+        self._require_live()
+        if self._released:
+            raise EngineUnavailableError("memory was released while generation was paused; the batch is lost")
+
+    def _record_step(self, rows: List[_Row], res, limits: List[int], epoch: int) -> None:
+        abort_all = self._abort_epoch != epoch
+        for b, r in enumerate(rows):
+            if r.finish:
+                continue
+            if abort_all or r.rid in self._aborted:
+                r.finish = "abort"
+                continue
+            tok = int(res.tokens[b])
+            r.tokens.append(tok)
+            r.logprobs.append(float(res.logprobs[b]))
+            if res.top_ids is not None and r.req.return_top_logprobs:
+                r.top_ids.append(res.top_ids[b, : r.req.return_top_logprobs])
+                r.top_values.append(res.top_values[b, : r.req.return_top_logprobs])
+            sp = r.req.sampling
+            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
+                r.finish, r.matched = "stop", tok
+            elif len(r.tokens) >= limits[b]:
+                r.finish = "length"
+
+    def _to_sample(self, b: int, r: _Row, n_prompt: int, P: int, routes: List[List[torch.Tensor]]) -> Sample:
+        top_ids = torch.stack(r.top_ids) if r.top_ids else None
+        top_values = torch.stack(r.top_values) if r.top_values else None
+        routed = prompt_routed = None
+        if r.req.return_routed_experts and routes:
+            B = len(routes[0][0]) // P  # prefill records are [B*P, K]
+            pre = torch.stack([layer.view(B, P, -1)[b, P - n_prompt:] for layer in routes[0]], dim=1)
+            prompt_routed = pre  # [P_b, L, K]
+            R = len(r.tokens)
+            L, K = pre.shape[1], pre.shape[2]
+            routed = torch.full((R, L, K), -1, dtype=torch.int32)
+            # response token t is fed (and routed) by forward t+1; rows of forwards not run stay -1.
+            for t in range(min(R, len(routes) - 1)):
+                routed[t] = torch.stack([layer[b] for layer in routes[t + 1]], dim=0)
+        return Sample(
+            prompt_ids=list(r.req.prompt_ids), response_ids=r.tokens, logprobs=r.logprobs,
+            finish_reason=r.finish or "abort", matched_stop=r.matched, top_logprob_ids=top_ids,
+            top_logprob_values=top_values, routed_experts=routed, prompt_routed_experts=prompt_routed,
+            weight_version=self.weight_version, logprob_mode=self.config.logprob_mode, rid=r.rid,
+            sample_index=r.index,
+        )

@@ -1,0 +1,240 @@
+"""HTTP client for SGLang's native endpoints; the same class drives real SGLang and the embedded server.
+
+Stdlib ``http.client`` (no new dependency), one connection per call (calls are long generations or rare
+control messages, so connection reuse buys nothing and a fresh socket never inherits a broken one).
+
+Failure policy (``RetryPolicy``):
+* connection refused / reset / dropped, and 5xx except 501: retried with exponential backoff;
+* a call that is not idempotent (joining a weight group, receiving a broadcast) is retried only when
+  the connection was *refused* -- then the server provably never saw it;
+* ``restart_dead_server``: when a connection fails and the ``is_alive`` hook says the process is gone,
+  call the ``restart`` hook (e.g. ``ManagedServer.restart``) before the next attempt;
+* 4xx: never retried; raised as ``RequestRejected`` with the server's message and offending field;
+* read timeouts: not retried by default (a slow generation retried is a doubled load).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_rl.rollout import weight_group, wire
+from megatron_rl.rollout.protocol import GenerateRequest, Sample
+
+log = logging.getLogger(__name__)
+
+_CONNECTION_ERRORS = (ConnectionError, http.client.RemoteDisconnected, http.client.IncompleteRead,
+                      http.client.BadStatusLine, BrokenPipeError)
+
+
+@dataclass
+class RetryPolicy:
+    max_attempts: int = 4
+    backoff_s: float = 0.5
+    backoff_factor: float = 2.0
+    max_backoff_s: float = 10.0
+    retry_on_5xx: bool = True
+    retry_on_timeout: bool = False
+    restart_dead_server: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts={self.max_attempts}: expected >= 1")
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * self.backoff_factor ** attempt)
+
+
+class ServerError(RuntimeError):
+    """A call failed; ``status`` is the HTTP status (None for transport failures)."""
+
+    def __init__(self, message: str, url: str, status: Optional[int] = None, payload: Any = None):
+        super().__init__(message)
+        self.url, self.status, self.payload = url, status, payload
+
+
+class RequestRejected(ServerError):
+    """4xx: the request is wrong; ``field`` names the offending JSON field when the server said."""
+
+    @property
+    def field(self) -> Optional[str]:
+        return self.payload.get("param") if isinstance(self.payload, dict) else None
+
+
+class ServerUnavailableError(ServerError):
+    """The server could not be reached (or kept failing) after every attempt the policy allows."""
+
+
+class SGLangClient:
+    def __init__(self, url: str, timeout_s: float = 600.0, retry: Optional[RetryPolicy] = None,
+                 restart: Optional[Callable[[], None]] = None, is_alive: Optional[Callable[[], bool]] = None,
+                 routing_shape: Optional[Tuple[int, int]] = None, logprob_mode: str = "raw"):
+        parsed = urllib.parse.urlparse(url if "://" in url else f"http://{url}")
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            raise ValueError(f"url={url!r}: expected http://host:port")
+        self.url = f"http://{parsed.hostname}:{parsed.port}"
+        self._host, self._port = parsed.hostname, parsed.port
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self.restart, self.is_alive = restart, is_alive
+        self.routing_shape = routing_shape  # (moe_layers, topk) to decode SGLang's routed_experts
+        self.logprob_mode = logprob_mode  # what the server returns when it does not say (SGLang: raw)
+
+    # ---- transport ---------------------------------------------------------------------------------
+
+    def _once(self, method: str, path: str, body: Any, timeout: float) -> Tuple[int, Any]:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            payload = json.loads(raw) if raw else None
+        except ValueError:
+            payload = raw.decode(errors="replace")  # SGLang answers some endpoints with plain text
+        return resp.status, payload
+
+    def request(self, method: str, path: str, body: Any = None, timeout_s: Optional[float] = None,
+                idempotent: bool = True) -> Any:
+        """One call with the retry policy; returns the decoded JSON (or text) of a 2xx answer."""
+        policy, last = self.retry, "no attempt made"
+        for attempt in range(policy.max_attempts):
+            if attempt:
+                time.sleep(policy.delay(attempt - 1))
+            try:
+                status, payload = self._once(method, path, body, timeout_s or self.timeout_s)
+            except ConnectionRefusedError as e:
+                last = f"connection refused ({e})"
+                self._maybe_restart()
+                continue
+            except (socket.timeout, TimeoutError) as e:
+                last = f"no answer within {timeout_s or self.timeout_s:.0f} s ({e})"
+                if not policy.retry_on_timeout or not idempotent:
+                    break
+                continue
+            except _CONNECTION_ERRORS + (OSError,) as e:
+                last = f"connection lost: {type(e).__name__}: {e}"
+                if not idempotent:
+                    break
+                self._maybe_restart()
+                continue
+            if 200 <= status < 300:
+                return payload
+            message = payload.get("message") if isinstance(payload, dict) else payload
+            if 400 <= status < 500 or status == 501:
+                cls = RequestRejected if status < 500 else ServerError
+                raise cls(f"{method} {self.url}{path} -> {status}: {message}", self.url, status, payload)
+            last = f"HTTP {status}: {message}"
+            if not policy.retry_on_5xx:
+                raise ServerError(f"{method} {self.url}{path} -> {last}", self.url, status, payload)
+        hint = "" if self.restart is not None and policy.restart_dead_server else (
+            "; if the server died, restart it or use RetryPolicy(restart_dead_server=True) with a restart hook")
+        raise ServerUnavailableError(
+            f"{method} {self.url}{path} failed after {attempt + 1} attempt(s): {last}{hint}", self.url)
+
+    def _maybe_restart(self) -> None:
+        if not (self.retry.restart_dead_server and self.restart is not None):
+            return
+        if self.is_alive is not None and self.is_alive():
+            return  # alive but refusing: still starting, or a transient; back off and retry
+        log.warning("server at %s is dead; restarting it", self.url)
+        self.restart()
+
+    # ---- endpoints ---------------------------------------------------------------------------------
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            status, _ = self._once("GET", "/health", None, timeout_s)
+        except (OSError, *_CONNECTION_ERRORS):
+            return False
+        return status == 200
+
+    def server_info(self) -> Dict[str, Any]:
+        return self.request("GET", "/get_server_info")
+
+    def generate_raw(self, body: Dict[str, Any]) -> Any:
+        return self.request("POST", "/generate", body)
+
+    def generate_one(self, req: GenerateRequest) -> List[Sample]:
+        """One request -> its ``n`` samples."""
+        answer = self.generate_raw(wire.request_to_json(req, return_logprob=True))
+        items = answer if isinstance(answer, list) else [answer]
+        if len(items) != req.sampling.n:
+            raise ServerError(f"/generate answered {len(items)} items for n={req.sampling.n}", self.url)
+        return [wire.sample_from_json(item, req, j, self.routing_shape, self.logprob_mode)
+                for j, item in enumerate(items)]
+
+    def update_weights_from_tensor(self, buckets: Iterable[Sequence[Tuple[str, torch.Tensor]]],
+                                   weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
+        """Embedded-server format (``wire.py``): one call per bucket, streamed (buckets may be a
+        generator), then the version. Rejected buckets raise ``RequestRejected`` naming the bad tensors."""
+        for bucket in buckets:
+            self._expect_success(self.request("POST", "/update_weights_from_tensor", dict(
+                serialized_named_tensors=[wire.encode_bucket(list(bucket))], load_format="safetensors",
+                flush_cache=False)))
+        if flush_cache:
+            self.flush_cache()
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo") -> None:
+        self._expect_success(self.request("POST", "/init_weights_update_group", dict(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend), idempotent=False))
+
+    def update_weights_from_distributed(self, bucket: Sequence[Tuple[str, torch.Tensor]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
+        """Announce a bucket; the caller broadcasts it on the group concurrently (this call blocks until
+        the server has received and loaded it)."""
+        body = dict(weight_group.bucket_metadata(bucket), group_name=group_name, flush_cache=flush_cache)
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        self._expect_success(self.request("POST", "/update_weights_from_distributed", body, idempotent=False))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.request("POST", "/destroy_weights_update_group", dict(group_name=group_name))
+
+    def flush_cache(self) -> None:
+        self.request("POST", "/flush_cache", {})
+
+    def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        self.request("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
+        self.request("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.request("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self.request("POST", "/continue_generation", {})
+
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        self.request("POST", "/update_weight_version",
+                     {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+    def get_weight_version(self) -> str:
+        answer = self.request("GET", "/get_weight_version")
+        return str(answer["weight_version"] if isinstance(answer, dict) else answer)
+
+    @staticmethod
+    def _expect_success(answer: Any) -> None:
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise ServerError(f"server reported failure: {answer.get('message')}", "", None, answer)

@@ -1,0 +1,147 @@
+"""Token sampling with SGLang's semantics and exact log-probs, batch-composition independent.
+
+Pure tensor math, no model: the embedded engine calls ``sample_next`` once per decode step. Every row
+draws its uniform from its own ``torch.Generator`` and is sampled by inverse CDF over its own sorted
+distribution, so a row's token depends only on its logits, its parameters and its generator -- never
+on which other requests share the batch. (Up to float non-associativity in the batched forward pass
+that produced the logits: a batch-size-dependent rounding of ~1e-7 could flip a draw that lands that
+close to a CDF boundary.)
+
+Conventions (``raw`` / ``processed`` log-probs, filter order) are documented in ``protocol.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from megatron_rl.rollout.protocol import LOGPROB_MODES, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """Seed of sample ``sample_index`` of a request seeded ``seed`` (splitmix64 of the pair), so that
+    requests seeded 1 and 2 with ``n=2`` do not share streams as ``seed + index`` would."""
+    z = (seed * 0x9E3779B97F4A7C15 + (sample_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as ``[B]`` tensors (built once per batch)."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, <= 0 = disabled
+    top_p: torch.Tensor  # [B] float64
+    min_p: torch.Tensor  # [B] float32
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams]) -> "RowParams":
+        return RowParams(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        )
+
+
+@dataclass
+class StepResult:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, convention per logprob_mode
+    top_ids: Optional[torch.Tensor]  # [B, n] int64, or None
+    top_values: Optional[torch.Tensor]  # [B, n] float32, or None
+
+
+def kept_mask_sorted(sorted_logp: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """``[B, V]`` bool: which of the descending-sorted tokens survive top-k, top-p and min-p ("joint":
+    every filter is computed on the unfiltered temperature-scaled distribution, as SGLang's torch
+    sampler does). Greedy rows keep only the argmax. Always keeps column 0 (the argmax)."""
+    B, V = sorted_logp.shape
+    rank = torch.arange(V).unsqueeze(0)
+    top_k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, V))
+    top_k = torch.where(rows.temperature == 0, torch.ones_like(top_k), top_k)
+    keep = rank < top_k.unsqueeze(1)
+    # top-p only where < 1: at 1.0 a float cumsum that rounds above 1 would wrongly cut the tail.
+    probs64 = sorted_logp.double().exp()
+    mass_before = torch.cumsum(probs64, dim=-1) - probs64
+    use_p = (rows.top_p < 1.0).unsqueeze(1)
+    keep &= ~use_p | (mass_before <= rows.top_p.unsqueeze(1))
+    # min-p in log space: p >= min_p * p_max  <=>  logp >= logp_max + log(min_p) (min_p = 0 keeps all).
+    log_min_p = torch.log(rows.min_p).unsqueeze(1)  # -inf where min_p == 0
+    keep &= sorted_logp >= sorted_logp[:, :1] + log_min_p
+    keep[:, 0] = True
+    return keep
+
+
+def sample_next(
+    logits: torch.Tensor,
+    rows: RowParams,
+    generators: Sequence[torch.Generator],
+    logprob_mode: str = "raw",
+    top_n: int = 0,
+) -> StepResult:
+    """Sample one token per row of ``logits [B, V]`` (any float dtype; computed in fp32).
+
+    Returns the sampled ids and their log-probs under ``logprob_mode``; with ``top_n > 0`` also the
+    ``top_n`` most likely ids and their log-probs under the same convention (``-inf`` for tokens
+    outside the kept set in ``processed`` mode).
+    """
+    if logprob_mode not in LOGPROB_MODES:
+        raise ValueError(f"logprob_mode={logprob_mode!r}: expected one of {LOGPROB_MODES}")
+    assert logits.dim() == 2 and logits.shape[0] == len(generators), (tuple(logits.shape), len(generators))
+    temps = torch.where(rows.temperature == 0, torch.ones_like(rows.temperature), rows.temperature)
+    scaled = logits.float() / temps.unsqueeze(1)
+    logp = torch.log_softmax(scaled, dim=-1)  # [B, V] the "raw" convention
+    # stable=True: among equal probabilities the lower token id comes first, like torch.argmax.
+    sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+    keep = kept_mask_sorted(sorted_logp, rows)
+
+    # Inverse CDF over the kept prefix, one uniform per row from that row's own generator.
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    cdf = torch.cumsum(sorted_logp.double().exp() * keep, dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    pos = torch.minimum(pos, keep.sum(-1) - 1)  # u*total can round up to the last cdf value
+    tokens = order.gather(1, pos.unsqueeze(1)).squeeze(1)
+
+    if logprob_mode == "raw":
+        sorted_out = sorted_logp
+    else:
+        masked = sorted_logp.masked_fill(~keep, float("-inf"))
+        sorted_out = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+    logprobs = sorted_out.gather(1, pos.unsqueeze(1)).squeeze(1)
+    top_ids = top_values = None
+    if top_n > 0:
+        n = min(top_n, logits.shape[1])
+        top_ids, top_values = order[:, :n].clone(), sorted_out[:, :n].clone()
+    return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values)
+
+
+def processed_logprob_reference(logits: torch.Tensor, token: int, params: SamplingParams) -> float:
+    """Slow one-row float64 reference of the ``processed`` log-prob (tests use it as an oracle)."""
+    t = 1.0 if params.temperature == 0 else params.temperature
+    p = torch.softmax(logits.double() / t, dim=-1)
+    vals, idx = torch.sort(p, descending=True, stable=True)
+    kept: List[int] = []
+    mass = 0.0
+    k = 1 if params.temperature == 0 else (params.top_k if params.top_k > 0 else len(vals))
+    for r in range(len(vals)):
+        ok = r < k and (params.top_p >= 1.0 or mass <= params.top_p) and vals[r] >= params.min_p * vals[0]
+        if ok or r == 0:
+            kept.append(int(idx[r]))
+        mass += float(vals[r])
+    if token not in kept:
+        return float("-inf")
+    return float(torch.log(p[token] / p[kept].sum()))
