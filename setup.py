@@ -16,7 +16,7 @@ setup(
         "torch>=2.6",
         # 0.16.1 is the newest release installable on Python 3.11 and the one the CPU layer is tested with.
         "megatron-core==0.16.1",
-        "transformers>=4.57",
+        "transformers>=5.0",  # the tiny tokenizer and the embedded engine use transformers 5 classes
         "safetensors>=0.4",
         "datasets>=3.0",
         "ray>=2.40",
@@ -27,6 +27,7 @@ setup(
         "tensorboard>=2.15",
         "psutil>=5.9",  # undeclared runtime need of megatron-core's dist-checkpoint save
         "einops>=0.7",
+        "math-verify[antlr4_13_2]>=0.9.0",
     ],
     extras_require={
         "test": ["pytest>=8.0", "pytest-timeout>=2.3"],

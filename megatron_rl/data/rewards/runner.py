@@ -1,0 +1,139 @@
+"""Score a batch of responses: ``RewardRunner(config).compute_rewards(responses, labels)``.
+
+A sample whose reward raised, timed out, returned something that is not a finite number, or whose
+worker died is *failed*: it gets ``config.failure_reward``, ``failed=True`` and a reason, is counted in
+the stats and logged — and the batch completes. Only a broken set-up (a ``custom_fn`` that cannot be
+imported: ``ValueError`` at construction; workers that cannot start: ``RuntimeError``) raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from tqdm.auto import tqdm
+
+from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.data.rewards.pool import Outcome, RewardWorkerPool
+from megatron_rl.data.rewards.resolve import build_reward_fn
+
+logger = logging.getLogger(__name__)
+
+FAILURE_KINDS = ("exception", "timeout", "non_finite", "worker_died")
+
+
+@dataclass
+class RewardResult:
+    """Per-sample rewards of one batch, in input order.
+
+    rewards: the reward, ``failure_reward`` where ``failed``.
+    reasons: ``None`` for a scored sample, else ``"<kind>: <detail>"`` with kind in :data:`FAILURE_KINDS`.
+    stats:   ``reward/mean``, ``reward/failed``, ``reward/failed_<kind>``, ``reward/time_s``, ... (floats)
+    """
+
+    rewards: List[float]
+    failed: List[bool]
+    reasons: List[Optional[str]]
+    stats: Dict[str, float]
+
+
+class RewardRunner:
+    """Runs ``config``'s reward over batches, in worker processes (default) or in-process.
+
+    Use as a context manager, or call :meth:`close`, to stop the workers. ``total_samples`` and
+    ``total_failed`` accumulate over the runner's life.
+    """
+
+    def __init__(self, config: RewardConfig):
+        self.config = config
+        # Resolving here makes a bad custom_fn a ValueError now, in the caller, not a worker start-up error.
+        self._fn = build_reward_fn(config)
+        self._pool: Optional[RewardWorkerPool] = None if config.in_process else RewardWorkerPool(config)
+        self.total_samples = 0
+        self.total_failed = 0
+
+    def __enter__(self) -> "RewardRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def compute_rewards(self, responses: Sequence[str], labels: Sequence[Any],
+                        sample_infos: Optional[Sequence[Mapping[str, Any]]] = None) -> RewardResult:
+        """Score ``responses[i]`` against ``labels[i]``; ``sample_infos[i]`` (e.g. a record's metadata)
+        is passed to the reward function as keyword arguments."""
+        n = len(responses)
+        if len(labels) != n or (sample_infos is not None and len(sample_infos) != n):
+            raise ValueError(f"compute_rewards: {n} responses, {len(labels)} labels"
+                             + (f", {len(sample_infos)} sample_infos" if sample_infos is not None else "")
+                             + "; expected one of each per sample")
+        infos = [dict(x) for x in sample_infos] if sample_infos is not None else [{} for _ in range(n)]
+        tasks = list(zip(responses, labels, infos))
+        start = time.perf_counter()
+        with tqdm(total=n, desc="rewards", unit="sample", leave=False,
+                  disable=n < self.config.progress_min_batch) as bar:
+            if self._pool is None:
+                outcomes = [self._run_in_process(t, bar) for t in tasks]
+            else:
+                outcomes = self._pool.run(tasks, on_done=lambda _i: bar.update(1))
+        result = self._collect(outcomes, time.perf_counter() - start)
+        self._log_failures(result)
+        return result
+
+    def _run_in_process(self, task: tuple, bar: Any) -> Outcome:
+        response, label, info = task
+        try:
+            outcome = Outcome(value=float(self._fn(response, label, info)))
+        except Exception as exc:
+            outcome = Outcome(kind="exception", error=f"{type(exc).__name__}: {exc}")
+        bar.update(1)
+        return outcome
+
+    def _collect(self, outcomes: List[Outcome], elapsed: float) -> RewardResult:
+        rewards: List[float] = []
+        reasons: List[Optional[str]] = []
+        for o in outcomes:
+            if o.kind is None and not math.isfinite(o.value):  # type: ignore[arg-type]
+                o = Outcome(kind="non_finite", error=f"reward function returned {o.value!r}")
+            reasons.append(None if o.kind is None else f"{o.kind}: {o.error}")
+            rewards.append(self.config.failure_reward if o.kind is not None else float(o.value))  # type: ignore[arg-type]
+        failed = [r is not None for r in reasons]
+        kinds = Counter(r.split(":", 1)[0] for r in reasons if r is not None)
+        n = len(outcomes)
+        stats = {
+            "reward/mean": sum(rewards) / n if n else 0.0,
+            "reward/failed": float(sum(failed)),
+            "reward/failed_frac": sum(failed) / n if n else 0.0,
+            "reward/time_s": elapsed,
+        }
+        stats.update({f"reward/failed_{k}": float(kinds.get(k, 0)) for k in FAILURE_KINDS})
+        if self._pool is not None:
+            stats["reward/worker_restarts"] = float(self._pool.restarts)
+        self.total_samples += n
+        self.total_failed += sum(failed)
+        return RewardResult(rewards, failed, reasons, stats)
+
+    def _log_failures(self, result: RewardResult) -> None:
+        n_failed = sum(result.failed)
+        if not n_failed:
+            return
+        first = next(r for r in result.reasons if r is not None)
+        by_kind = {k: int(result.stats[f"reward/failed_{k}"]) for k in FAILURE_KINDS
+                   if result.stats[f"reward/failed_{k}"]}
+        logger.warning("%d of %d rewards failed %s (set to %s); first: %s", n_failed, len(result.rewards),
+                       by_kind, self.config.failure_reward, first)
+
+
+def compute_rewards(responses: Sequence[str], labels: Sequence[Any], config: RewardConfig,
+                    sample_infos: Optional[Sequence[Mapping[str, Any]]] = None) -> RewardResult:
+    """One-off scoring with a temporary runner (starts and stops workers: use a ``RewardRunner`` in loops)."""
+    with RewardRunner(config) as runner:
+        return runner.compute_rewards(responses, labels, sample_infos)
