@@ -4,6 +4,8 @@ Tour:
   ops/          vocabulary-parallel autograd Functions (log-probs, entropy, sum pi^2, DVP, exact KL)
   parallel.py   torch.distributed + Megatron parallel_state set-up; explicit process groups
   compat.py     the CPU compatibility layer for Megatron-Core (applied only without CUDA)
+  models/       HF config -> Megatron GPTModel (dense, MoE), layer specs, HF <-> Megatron weights,
+                MoE routing record / replay
   testing.py    run a function on N gloo processes (tests, benchmarks)
 """
 

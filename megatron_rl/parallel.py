@@ -68,12 +68,16 @@ def _free_port() -> int:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Model-parallel sizes. Data parallelism is whatever remains of the world size."""
+    """Model-parallel sizes. Data parallelism is whatever remains of the world size.
+
+    ``etp`` is the tensor-parallel size of MoE experts (None: same as ``tp``, Megatron's default).
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     cp: int = 1
+    etp: Optional[int] = None
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
@@ -86,9 +90,11 @@ class ParallelLayout:
                 f" = {model}; change the parallel sizes or the number of processes"
             )
         dp_cp = self.dp(world_size) * self.cp
-        if self.ep > 1 and (dp_cp * self.tp) % self.ep:
+        etp = self.tp if self.etp is None else self.etp
+        expert_grid = dp_cp * self.tp  # ranks of one pipeline stage, regrouped as etp x ep x edp
+        if expert_grid % (etp * self.ep):
             raise ValueError(
-                f"expert parallel size ep={self.ep} must divide dp*cp*tp = {dp_cp * self.tp}"
+                f"expert parallel sizes etp*ep = {etp}*{self.ep} must divide dp*cp*tp = {expert_grid}"
             )
 
 
@@ -140,6 +146,7 @@ def init_megatron_parallel(layout: ParallelLayout, seed: int = 1234) -> Parallel
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         create_gloo_process_groups=not torch.cuda.is_available(),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

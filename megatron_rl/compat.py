@@ -1,0 +1,373 @@
+"""CPU compatibility layer for Megatron-Core 0.16.1 on a machine without CUDA.
+
+Megatron-Core assumes a CUDA device in many places (see ``/work/shared/docs/cpu_notes.md``). Every
+workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
+condition under which it can be deleted. Nothing is patched at import time: :func:`apply` does it,
+once, and only when ``torch.cuda.is_available()`` is false — on a GPU machine it does nothing.
+
+Patches are as narrow as we could make them: a single function or attribute is wrapped, a ``torch``
+name is shimmed inside one Megatron module only, or a global is swapped only for the duration of one
+Megatron call. Two CUDA assumptions are avoided rather than patched: the stock ``DotProductAttention``
+(CUDA causal-mask helper) and ``WrappedTorchNorm`` (asserts no sequence parallelism) are simply not
+used by our portable layer spec (:mod:`megatron_rl.models.spec`), which brings its own SDPA core
+attention and RMSNorm.
+
+:func:`applied_patches` lists what was applied (for ``megatron-rl diagnose`` and bug reports).
+``torch.cuda.current_device`` and ``torch.cuda.synchronize`` are replaced process-wide; on a CPU
+build both only raised before, so nothing that worked changes behaviour.
+
+Verified on CPU with these patches (tests/distributed): GPTModel forward/backward at TP, PP (1F1B,
+tied embeddings), EP with the alltoall and allgather dispatchers, expert-TP; Megatron DDP,
+``finalize_model_grads``, the Megatron and the distributed optimizer with grad clipping;
+dist-checkpointing save/load (checked by hand: its writer needs non-daemonic ranks). Not covered:
+``num_distributed_optimizer_instances > 1`` (CUDA streams), CUDA graphs, context parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List
+
+import torch
+
+__all__ = ["apply", "applied_patches", "is_applied", "PATCHES"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    reason: str
+    remove_when: str
+    fn: Callable[[], None]
+
+
+PATCHES: List[Patch] = []
+_applied: List[str] = []
+_done = False
+
+
+def _patch(reason: str, remove_when: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(fn: Callable[[], None]) -> Callable[[], None]:
+        PATCHES.append(Patch(fn.__name__.lstrip("_"), reason, remove_when, fn))
+        return fn
+
+    return register
+
+
+def apply() -> None:
+    """Neutralise Megatron-Core's CUDA assumptions when CUDA is absent. Idempotent; no-op with CUDA."""
+    global _done
+    if _done or torch.cuda.is_available():
+        return
+    for p in PATCHES:
+        p.fn()
+        _applied.append(p.name)
+    _done = True
+
+
+def is_applied() -> bool:
+    return _done
+
+
+def applied_patches() -> List[str]:
+    """``"name: reason (remove when ...)"`` for every patch applied in this process."""
+    by_name = {p.name: p for p in PATCHES}
+    return [f"{n}: {by_name[n].reason} (remove when {by_name[n].remove_when})" for n in _applied]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_device_kwarg(factory: Callable) -> Callable:
+    @functools.wraps(factory)
+    def wrapped(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+class _CpuFactoryTorch:
+    """The ``torch`` name as one Megatron module sees it: tensor factories asked for ``device="cuda"``
+    allocate on the CPU instead; every other attribute is the real ``torch``."""
+
+    _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange"})
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        return _cpu_device_kwarg(attr) if name in self._FACTORIES else attr
+
+
+def _shim_torch_in(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    if not isinstance(module.torch, _CpuFactoryTorch):
+        module.torch = _CpuFactoryTorch(module.torch)
+
+
+@contextlib.contextmanager
+def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _during(owner: Any, method: str, context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Wrap ``owner.method`` so that it runs inside ``context()``."""
+    original = getattr(owner, method)
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        with context():
+            return original(*args, **kwargs)
+
+    wrapped._megatron_rl_compat = True
+    setattr(owner, method, wrapped)
+
+
+_real_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_names(self: torch.Tensor, *args, **kwargs):
+    # Only the no-argument form (a type *query*) is rewritten; conversions pass through.
+    name = _real_tensor_type(self, *args, **kwargs)
+    if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and not self.is_cuda:
+        return "torch.cuda." + name[len("torch.") :]
+    return name
+
+
+def _cuda_type_queries() -> contextlib.AbstractContextManager:
+    return _swapped(torch.Tensor, "type", _cuda_type_names)
+
+
+def _tensor_cuda_is_identity() -> contextlib.AbstractContextManager:
+    return _swapped(torch.Tensor, "cuda", lambda self, *a, **k: self)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Patches (applied in this order)
+# ---------------------------------------------------------------------------------------------------
+
+
+@_patch(
+    reason="Megatron allocates on torch.cuda.current_device() (RoPE, p2p, memory buffer, DDP, MoE)",
+    remove_when="megatron-core takes the device from its config instead of assuming CUDA",
+)
+def _current_device_is_cpu() -> None:
+    # On a CPU build the original raises; answering the CPU device makes `device=...`/`.to(...)` work.
+    torch.cuda.current_device = lambda: _CPU
+
+
+@_patch(
+    reason="batched p2p and DDP call torch.cuda.synchronize(); CPU collectives are already synchronous",
+    remove_when="megatron-core guards synchronize() with torch.cuda.is_available()",
+)
+def _synchronize_is_noop() -> None:
+    torch.cuda.synchronize = lambda device=None: None
+
+
+@_patch(
+    reason="the tensor-parallel RNG tracker stores and forks CUDA generator states",
+    remove_when="megatron-core's CudaRNGStatesTracker supports a CPU generator",
+)
+def _cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original = mrandom.CudaRNGStatesTracker
+    if getattr(original, "_megatron_rl_cpu", False):
+        return
+
+    class CpuRNGStatesTracker(original):
+        """Named RNG streams kept as CPU generator states; ``fork`` swaps the CPU default generator."""
+
+        _megatron_rl_cpu = True
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            gen = torch.Generator()
+            gen.manual_seed(seed)
+            self.states_[name] = gen.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # Activation checkpointing saves/restores "the CUDA state": make that the CPU state too.
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    if tracker is not None and not isinstance(tracker, CpuRNGStatesTracker):
+        mrandom.initialize_rng_tracker(force_reset=True)  # a CUDA tracker created before apply()
+
+
+@_patch(
+    reason='every pipeline schedule allocates torch.zeros(..., device="cuda") for its token count',
+    remove_when="megatron-core's schedules allocate on the model's device",
+)
+def _schedules_allocate_on_cpu() -> None:
+    _shim_torch_in("megatron.core.pipeline_parallel.schedules")
+
+
+@_patch(
+    reason="tying embeddings across pipeline stages calls weight.data.cuda() before the all-reduce",
+    remove_when="LanguageModule.setup_embeddings_and_output_layer stops calling .cuda()",
+)
+def _tied_embedding_stays_on_cpu() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _during(LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
+
+
+@_patch(
+    reason="moe_utils.te_general_gemm is referenced but left undefined when Transformer Engine is absent",
+    remove_when="megatron-core >= 0.17 (defines it as None without TE)",
+)
+def _define_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+@_patch(
+    reason="the MoE alltoall dispatcher creates CUDA streams/events and leaves split sizes as tensors "
+    "unless they live on CUDA (gloo needs host sizes)",
+    remove_when="MoEAlltoAllTokenDispatcher handles CPU tensors without streams",
+)
+def _alltoall_dispatcher_without_streams() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if getattr(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize, "_megatron_rl_compat", False):
+        return
+    # A non-None placeholder stops __init__ from creating torch.cuda.Stream().
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        # CPU tensors are host tensors already: only the numpy conversion of the CUDA path remains.
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for attr in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, attr)
+                if torch.is_tensor(value):
+                    setattr(self, attr, value.numpy())
+        return tokens_per_expert
+
+    _maybe_dtoh_and_synchronize._megatron_rl_compat = True
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+
+
+@_patch(
+    reason="MoE with expert-TP > 1 all-gathers / reduce-scatters uneven token counts over TP; gloo "
+    "only supports equal sizes",
+    remove_when="torch's gloo backend supports uneven all_gather / reduce_scatter",
+)
+def _uneven_sequence_collectives_over_gloo() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "_megatron_rl_compat", False):
+        return
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        # Pad every rank's part to the largest, gather equal sizes, drop the padding.
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        # All-reduce everything, keep this rank's rows (CPU: bandwidth is not the concern).
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]].clone()
+
+    _gather_along_first_dim._megatron_rl_compat = True
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+@_patch(
+    reason="the optimizer and grad clipping allocate found_inf/scale/norm tensors with device='cuda'",
+    remove_when="megatron-core's optimizer allocates on the parameters' device",
+)
+def _optimizer_allocates_on_cpu() -> None:
+    for name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads"):
+        _shim_torch_in(name)
+
+
+@_patch(
+    reason="the local (no Apex/TE) multi-tensor L2 norm used by grad clipping returns a device='cuda' tensor",
+    remove_when="megatron.core.utils.local_multi_tensor_l2_norm allocates on its inputs' device",
+)
+def _local_l2_norm_on_cpu() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+        return  # Apex or TE kernels in use
+
+    def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        norms = [[torch.norm(t) for t in tensors] for tensors in tensor_lists]
+        return torch.norm(torch.tensor(norms)).reshape(1).float(), None
+
+    clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
+
+
+@_patch(
+    reason="grad clipping, the fp16 optimizer and the distributed optimizer check "
+    "Tensor.type() == 'torch.cuda.*Tensor'",
+    remove_when="megatron-core checks dtypes instead of CUDA tensor type names",
+)
+def _optimizer_type_checks_accept_cpu() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    _during(clip_grads, "clip_grad_by_total_norm_fp32", _cuda_type_queries)
+    _during(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_queries)
+    _during(distrib_optimizer.DistributedOptimizer, "__init__", _cuda_type_queries)
+    # The optimizer module imported the function by name before we wrapped it.
+    if hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
+        optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+

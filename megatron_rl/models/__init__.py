@@ -1,0 +1,14 @@
+"""HF config -> Megatron-Core GPTModel (dense and MoE), layer specs, HF <-> Megatron weights, routing.
+
+  config.py   ModelConfig (the user's model section), HFArch (validated HF architecture),
+              HF -> TransformerConfig, padded vocabulary
+  spec.py     layer specs: Transformer Engine on GPU, portable torch spec (SDPA attention, RMSNorm)
+  build.py    build_model(): this rank's pipeline stage, weights loaded; BuiltModel, ShardLayout
+  mapping.py  HF <-> Megatron names, shapes and sharding kinds (pure)
+  weights.py  load_hf_weights(), iter_hf_weights() (streaming export), save_hf_checkpoint()
+  router.py   MoE routing record / replay (RouterReplay wrapper)
+"""
+
+from megatron_rl.models.config import SUPPORTED_MODEL_TYPES, HFArch, ModelConfig, padded_vocab_size
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "ModelConfig", "padded_vocab_size"]

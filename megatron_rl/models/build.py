@@ -1,0 +1,154 @@
+"""Build a Megatron-Core ``GPTModel`` (this rank's pipeline stage) from an HF config.
+
+Usage (after :func:`megatron_rl.parallel.init_megatron_parallel`)::
+
+    built = build_model(ModelConfig(hf_path="/ckpt/Qwen3-0.6B"), groups)   # loads the HF weights
+    logits = built.module(input_ids, position_ids, attention_mask=None)     # [b, s, V_pad/TP]
+
+``built.vocab_size`` is the tokenizer's vocabulary, ``built.padded_vocab_size`` Megatron's padded one:
+logits columns at or beyond ``vocab_size`` belong to padding rows (zero weights) and must be masked by
+the losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.config import HFArch, ModelConfig, padded_vocab_size, transformer_config
+from megatron_rl.parallel import ParallelGroups
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel dimension as this rank sees it."""
+
+    size: int
+    rank: int
+    group: Optional[dist.ProcessGroup]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's shard sits: TP, PP, EP and expert-TP axes and every stage's layer range."""
+
+    tp: Axis
+    pp: Axis
+    ep: Axis
+    etp: Axis
+    stage_layers: Tuple[Tuple[int, int], ...]  # per PP stage: (first global layer, number of layers)
+
+    def stage_of_layer(self, layer: int) -> int:
+        for stage, (first, count) in enumerate(self.stage_layers):
+            if first <= layer < first + count:
+                return stage
+        raise ValueError(f"layer {layer} is on no pipeline stage {self.stage_layers}")
+
+
+@dataclass
+class BuiltModel:
+    """A built policy model and everything needed to feed it and move its weights."""
+
+    module: Any  # megatron.core.models.gpt.GPTModel
+    cfg: ModelConfig
+    arch: HFArch
+    tconfig: Any  # megatron.core.transformer.TransformerConfig
+    shard: ShardLayout
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.arch.vocab_size, self.cfg.vocab_divisor, self.shard.tp.size)
+
+    @property
+    def pre_process(self) -> bool:
+        return self.shard.pp.rank == 0
+
+    @property
+    def post_process(self) -> bool:
+        return self.shard.pp.rank == self.shard.pp.size - 1
+
+    def layers(self) -> List[Tuple[int, Any]]:
+        """``(global layer index, TransformerLayer)`` for this stage's layers."""
+        return [(layer.layer_number - 1, layer) for layer in self.module.decoder.layers]
+
+
+def load_arch(hf_path: str) -> HFArch:
+    from transformers import AutoConfig
+
+    return HFArch.from_hf(AutoConfig.from_pretrained(hf_path))
+
+
+def _shard_layout(tconfig, groups: ParallelGroups) -> ShardLayout:
+    # Megatron's parallel_state is read here, at the edge (expert-TP is not in ParallelGroups).
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    lay = groups.layout
+    stages = tuple(
+        (get_transformer_layer_offset(tconfig, pp_rank=r), get_num_layers_to_build(tconfig, pp_rank=r))
+        for r in range(lay.pp)
+    )
+    return ShardLayout(
+        tp=Axis(lay.tp, groups.tp_rank, groups.tp),
+        pp=Axis(lay.pp, groups.pp_rank, groups.pp),
+        ep=Axis(lay.ep, groups.ep_rank, groups.ep),
+        etp=Axis(
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_group(),
+        ),
+        stage_layers=stages,
+    )
+
+
+def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool = True) -> BuiltModel:
+    """Build this rank's stage of the model; load ``cfg.hf_path``'s safetensors when ``load_weights``.
+
+    Without ``load_weights`` the parameters are randomly initialised from ``cfg.seed`` (identical
+    across layouts because Megatron's CPU initialisation draws full tensors, then slices them).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megatron_rl import compat
+    from megatron_rl.models.spec import decoder_block_spec
+
+    compat.apply()
+    arch = load_arch(cfg.hf_path)
+    # Loading overwrites every parameter: skip the (slow, full-size on CPU) random initialisation.
+    tconfig = transformer_config(cfg, arch, groups.layout, initialize=not load_weights)
+    shard = _shard_layout(tconfig, groups)
+    # RouterReplay keeps a class-level list of instances, one per router ever built in this process.
+    RouterReplay.clear_global_router_replay_instances()
+    # Identical seeds on all ranks: Megatron's CPU init draws the full weight and slices it.
+    torch.manual_seed(cfg.seed)
+    module = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=decoder_block_spec(cfg, tconfig, groups.pp_rank),
+        vocab_size=padded_vocab_size(arch.vocab_size, cfg.vocab_divisor, groups.layout.tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        parallel_output=True,  # logits stay vocab-sharded: [b, s, V_pad/TP]
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.llama3_rope_factor is not None,
+        rope_scaling_factor=arch.llama3_rope_factor or 8.0,
+    )
+    if torch.cuda.is_available():
+        module.cuda(torch.cuda.current_device())
+    built = BuiltModel(module=module, cfg=cfg, arch=arch, tconfig=tconfig, shard=shard)
+    if load_weights:
+        from megatron_rl.models.weights import load_hf_weights
+
+        load_hf_weights(built, cfg.hf_path)
+    return built

@@ -1,0 +1,193 @@
+"""Transformer layer specs: Transformer Engine on GPU, a portable torch spec everywhere else.
+
+The portable ("local") spec uses Megatron's own tensor-parallel linears, attention block, MLP and
+MoE layer, and swaps in two small modules of ours:
+
+* :class:`SDPACoreAttention` — ``torch.nn.functional.scaled_dot_product_attention`` with GQA and a
+  causal mask. Megatron's stock ``DotProductAttention`` builds its causal mask with CUDA tensors, and
+  SDPA is both faster on CPU and closer to HF's numerics.
+* :class:`RMSNorm` — computes in float32 like HF's ``*RMSNorm`` and, unlike Megatron's
+  ``WrappedTorchNorm``, supports sequence parallelism (its weight carries the ``sequence_parallel``
+  attribute so ``finalize_model_grads`` all-reduces its gradient over TP).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_rl.models.config import ModelConfig
+
+
+class RMSNorm(torch.nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` computed in float32, cast back before the weight (HF order)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Replicated over TP but fed sequence shards: its grad must be summed over TP.
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention over ``[s, b, heads, head_dim]`` tensors with torch SDPA.
+
+    Inputs: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (``ng`` query groups on this TP
+    rank, GQA when ``ng < np``). ``attention_mask`` follows Megatron: boolean, ``True`` = masked out,
+    broadcastable to ``[b, np, sq, sk]``; when it is None and the layer is causal, a causal mask is
+    applied. Output ``[sq, b, np * hn]``.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism; use the TE spec")
+        if config.softmax_type != "vanilla" or config.window_size is not None:
+            raise ValueError("SDPACoreAttention supports vanilla softmax without sliding window only")
+        self.causal = attn_mask_type == AttnMaskType.causal
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias need the TE spec")
+        sq, b, np_, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        mask, causal = None, False
+        if attention_mask is not None:
+            mask = ~attention_mask  # SDPA: True = attend
+        elif self.causal:
+            if key.shape[0] != sq:
+                raise NotImplementedError("causal SDPA without a mask needs equal query/key lengths")
+            causal = True
+        dropout = self.dropout if self.training else 0.0
+        out = _sdpa(q, k, v, mask, causal, dropout, self.scale, self.config.sequence_parallel)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def _sdpa(q, k, v, mask, causal, dropout, scale, sequence_parallel):
+    gqa = q.shape[1] != k.shape[1]
+    if dropout > 0.0 and not sequence_parallel:
+        # Heads differ across TP ranks: draw dropout from the TP-rank-specific RNG stream (as Megatron).
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.scaled_dot_product_attention(
+                q, k, v, mask, dropout, is_causal=causal, scale=scale, enable_gqa=gqa
+            )
+    return F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def resolve_layer_spec(choice: str) -> str:
+    """``"te"`` or ``"local"``; ``"auto"`` picks TE only when it is importable and CUDA is present."""
+    te_ok = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    if choice == "auto":
+        return "te" if te_ok else "local"
+    if choice == "te" and not te_ok:
+        raise ValueError(
+            "model.layer_spec='te' needs transformer_engine (pip install 'megatron_rl[gpu]') and a CUDA "
+            "device; on CPU use layer_spec='local' (or 'auto')"
+        )
+    return choice
+
+
+def _local_layer_spec(num_experts: int, qk_norm: bool):
+    """One layer: dense MLP when ``num_experts == 0``, else Megatron's MoE layer (SequentialMLP)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    moe = num_experts > 0
+    if moe:
+        mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
+    else:
+        mlp = ModuleSpec(
+            module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        )
+    # Same checkpoint keys as the TE spec, where these norms are fused into the next linear.
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not moe:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=SDPACoreAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=RMSNorm if qk_norm else IdentityOp,
+                    k_layernorm=RMSNorm if qk_norm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
+    """The ``TransformerBlockSubmodules`` for the layers pipeline stage ``pp_rank`` builds."""
+    kind = resolve_layer_spec(cfg.layer_spec)
+    if kind == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            tconfig, use_transformer_engine=True, normalization="RMSNorm", pp_rank=pp_rank
+        )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if tconfig.moe_grouped_gemm:
+        raise ValueError("model.moe_grouped_gemm needs the TE layer spec (the local spec runs experts one by one)")
+    experts = tconfig.num_moe_experts or 0
+    pattern = tconfig.moe_layer_freq if experts else [0] * tconfig.num_layers
+    specs: List = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm) for is_moe in pattern]
+    offset = get_transformer_layer_offset(tconfig, pp_rank=pp_rank)
+    count = get_num_layers_to_build(tconfig, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)
