@@ -22,7 +22,22 @@ class DistributedTestError(RuntimeError):
     """A child process failed or timed out; the message carries its traceback."""
 
 
-def _child(rank: int, world_size: int, init_file: str, backend: str, fn, args, results) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """Children are not daemonic (Megatron's checkpoint writer starts its own processes, which a
+    daemonic process may not), so each one watches its parent and exits if the parent is gone."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _child(rank: int, world_size: int, init_file: str, backend: str, fn, args, results, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
@@ -68,7 +83,8 @@ def run_distributed(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, init_file, backend, fn, args, results), daemon=True)
+            ctx.Process(target=_child, args=(r, world_size, init_file, backend, fn, args, results, os.getpid()),
+                        daemon=False)
             for r in range(world_size)
         ]
         try:
