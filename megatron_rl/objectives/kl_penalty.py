@@ -1,0 +1,98 @@
+"""KL penalties to a reference policy (in the reward or in the loss) and the entropy bonus.
+
+Samples come from the policy (y_t ~ π), so with r_t = log π(y_t) − log π_ref(y_t) (clamped ±20):
+
+=========  ===========================================  ======================================
+estimator  per-token value                              note
+=========  ===========================================  ======================================
+k1         r                                            unbiased, can be negative
+k2         ½ r²                                         biased, low variance
+k3         e^{−r} − 1 + r                               unbiased, >= 0
+low_var    k3 clamped to [−10, 10]                      verl's ``low_var_kl``
+exact      Σ_v π(v) log(π(v)/π_ref(v)) (full vocab)     ``LossInputs.ref_kl`` (same quantity the dense
+                                                        imitation gradient uses, §c)
+=========  ===========================================  ======================================
+
+In the loss the value is differentiated through log π_θ (or through the logits for ``exact``); in the
+reward it is a detached per-token cost subtracted before advantages are computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_rl.objectives.divergence import clamp_log_ratio
+
+Tensor = torch.Tensor
+ESTIMATORS = ("k1", "k2", "k3", "low_var", "exact")
+PLACEMENTS = ("loss", "reward")
+
+
+@dataclass(frozen=True)
+class KLPenaltyConfig:
+    """β·KL(π_θ ‖ π_ref) penalty.
+
+    Attributes:
+        coef: β (0 disables).
+        estimator: ``k1``, ``k2``, ``k3``, ``low_var`` or ``exact``.
+        placement: ``loss`` (added to the per-token loss) or ``reward`` (subtracted from the per-token
+            reward before the advantage estimator; see :func:`kl_in_reward`).
+    """
+
+    coef: float = 0.0
+    estimator: str = "low_var"
+    placement: str = "loss"
+
+    def __post_init__(self) -> None:
+        if not self.coef >= 0:
+            raise ValueError(f"KLPenaltyConfig.coef={self.coef} must be >= 0")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"KLPenaltyConfig.estimator={self.estimator!r} is not one of {ESTIMATORS}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"KLPenaltyConfig.placement={self.placement!r} is not one of {PLACEMENTS}")
+
+    @property
+    def in_loss(self) -> bool:
+        return self.coef > 0 and self.placement == "loss"
+
+
+@dataclass(frozen=True)
+class EntropyBonusConfig:
+    """Entropy bonus: ``−coef · H(π_θ(·|c_t))`` per token (needs ``LossInputs.entropy``)."""
+
+    coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.coef >= 0:
+            raise ValueError(f"EntropyBonusConfig.coef={self.coef} must be >= 0")
+
+
+def kl_per_token(logprobs: Tensor, ref_logprobs: Optional[Tensor], estimator: str,
+                 exact_kl: Optional[Tensor] = None) -> Tensor:
+    """Per-token KL(π‖π_ref) estimate ``[B, T]`` (differentiable through whichever input carries grad)."""
+    if estimator == "exact":
+        if exact_kl is None:
+            raise ValueError("KL estimator 'exact' needs the per-token full-vocabulary KL (LossInputs.ref_kl)")
+        return exact_kl
+    if ref_logprobs is None:
+        raise ValueError(f"KL estimator {estimator!r} needs ref_logprobs (log π_ref of the sampled tokens)")
+    r = clamp_log_ratio(logprobs - ref_logprobs.detach())
+    if estimator == "k1":
+        return r
+    if estimator == "k2":
+        return 0.5 * r.square()
+    k3 = torch.expm1(-r) + r
+    return k3.clamp(-10.0, 10.0) if estimator == "low_var" else k3
+
+
+@torch.no_grad()
+def kl_in_reward(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: Optional[Tensor], mask: Tensor,
+                 cfg: KLPenaltyConfig, exact_kl: Optional[Tensor] = None) -> Tensor:
+    """Per-token rewards minus β·KL (``placement='reward'``), zero outside the mask. ``logprobs`` are the
+    rollout-time policy's (π_old). Feed the result to the advantage estimator as token rewards."""
+    kl = kl_per_token(logprobs.detach(), ref_logprobs, cfg.estimator, exact_kl)
+    zero = torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device)
+    return torch.where(mask.bool(), token_rewards - cfg.coef * kl.to(token_rewards.dtype), zero)
