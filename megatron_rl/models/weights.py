@@ -217,14 +217,22 @@ def _gather_unit(built: BuiltModel, unit: Unit, target) -> List[torch.Tensor]:
         return [target.detach()]
     shards = _gather(target, tp)
     if unit.kind == "vocab":
-        return [torch.cat(shards)[: arch.vocab_size]]
+        return [_cat(shards)[: arch.vocab_size]]
     if unit.kind == "row":
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if unit.kind == "qkv":
-        return list(QKVLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim).split(torch.cat(shards)))
+        return list(QKVLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim).split(_cat(shards)))
     if unit.kind == "glu":
+        if len(shards) == 1:
+            return list(shards[0].chunk(2, dim=0))
         return list(mapping.merge_glu(shards))
     raise AssertionError(unit.kind)
+
+
+def _cat(parts: List[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    # At TP=1 there is nothing to concatenate: a view instead of a copy of every weight (the weight
+    # sync's export then costs no extra memory traffic; yielded tensors may alias parameters anyway).
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def iter_hf_weights(built: BuiltModel, *, all_stages: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:

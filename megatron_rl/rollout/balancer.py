@@ -74,6 +74,10 @@ class RemoteEngine(RolloutEngine):
         futures = [self._pool.submit(fn, c) for c in self.clients]
         return [f.result() for f in futures]
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> List[Any]:
+        """One ``[L - 1]`` tensor per server, in ``clients`` order (each server is checked on its own)."""
+        return self._each(lambda c: c.prompt_logprobs(token_ids))
+
     # ---- weights -----------------------------------------------------------------------------------
 
     def init_weight_sync(self, master_address: str, master_port: int, backend: str = "gloo",

@@ -154,6 +154,19 @@ class EmbeddedEngine(RolloutEngine):
     def update_weight_version(self, version: Any) -> None:
         self.weight_version = str(version)
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> List[torch.Tensor]:
+        """``[L - 1]`` teacher-forced log-probs of ``token_ids[1:]`` at temperature 1 (protocol doc), from one
+        forward of the unpadded sequence (no KV cache, so nothing depends on how generation batches)."""
+        self.check_request(GenerateRequest(tuple(token_ids)))  # ids in the vocabulary, room in the context
+        with self._lock, torch.no_grad():
+            self._require_live()
+            if self._released:
+                raise EngineUnavailableError("engine memory is released; call resume_memory() before scoring")
+            ids = torch.tensor([list(token_ids)], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, :-1].float()  # [L-1, V]: position t predicts t+1
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
+        return [logprobs.cpu()]
+
     def release_memory(self) -> None:
         """On CUDA: move weights to host memory, freeing the device. On CPU there is nothing to hand to a
         colocated trainer (weights already live in host memory), so only the state changes: ``generate``

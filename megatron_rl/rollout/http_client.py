@@ -176,6 +176,10 @@ class SGLangClient:
         return [wire.sample_from_json(item, req, j, self.routing_shape, self.logprob_mode)
                 for j, item in enumerate(items)]
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """``[L - 1]`` teacher-forced log-probs of ``token_ids[1:]`` (``input_token_logprobs``, temperature 1)."""
+        return wire.parse_input_logprobs(self.generate_raw(wire.prompt_logprobs_request(token_ids)), token_ids)
+
     def update_weights_from_tensor(self, buckets: Iterable[Sequence[Tuple[str, torch.Tensor]]],
                                    weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
         """Embedded-server format (``wire.py``): one call per bucket, streamed (buckets may be a

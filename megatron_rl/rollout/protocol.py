@@ -231,6 +231,16 @@ class RolloutEngine(abc.ABC):
         """Load HF-named tensors, bucket by bucket (a bucket is an iterable of ``(hf_name, tensor)``),
         then set the weight version (``str(version)``) reported in every later ``Sample``."""
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> List[torch.Tensor]:
+        """Teacher-forced log-probs of a given sequence, one ``[L - 1]`` float32 tensor per engine replica
+        (``EmbeddedEngine``: one; ``RemoteEngine``: one per server, in server order): entry ``t`` is
+        ``log softmax(logits_t)[token_ids[t + 1]]`` at temperature 1 over the full vocabulary -- SGLang's
+        ``input_token_logprobs`` with ``logprob_start_len=0`` minus its empty first entry. The weight-sync
+        check compares these with the trainer's (``rollout/weight_sync.py``); per replica, because one
+        server that missed an update must not hide behind the others."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a given token sequence; implement "
+                                  "prompt_logprobs() or turn the weight-sync check off (WeightSyncConfig.check)")
+
     @abc.abstractmethod
     def release_memory(self) -> None:
         """Free accelerator memory (weights, KV cache) for the colocated trainer; ``generate`` refuses

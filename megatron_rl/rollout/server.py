@@ -10,9 +10,9 @@ no continuous batching: a request arriving while a batch runs waits for it. Cont
 pause) act between decode steps; weight updates wait for the running batch to finish.
 
 Differences from SGLang, all answered with a clear status: no tokenizer (``text`` input -> 400,
-``text`` output is ""), no streaming, no prompt log-probs (``logprob_start_len`` must be -1),
-``/update_weights_from_tensor`` takes safetensors (``wire.py``), ``pause_generation`` mode ``retract``
-behaves like ``in_place``.
+``text`` output is ""), no streaming, prompt log-probs (``logprob_start_len >= 0``) come without
+``input_top_logprobs`` and cost one extra forward of the prompt, ``/update_weights_from_tensor`` takes
+safetensors (``wire.py``), ``pause_generation`` mode ``retract`` behaves like ``in_place``.
 
 Run: ``python -m megatron_rl.rollout.server --model-path DIR [--port N] [--logprob-mode raw]``.
 """
@@ -227,10 +227,16 @@ class EmbeddedServer:
             named.append(r if r.rid else GenerateRequest(r.prompt_ids, r.sampling, r.return_top_logprobs,
                                                          r.return_routed_experts, uuid.uuid4().hex))
         samples = self.queue.submit(named)
+        start = options["logprob_start_len"]
         items, k = [], 0
         for r in named:
+            prompt_lp = None
+            if options["return_logprob"] and start >= 0:
+                # after generation, so both come from the weights the samples report
+                scores = self.engine.prompt_logprobs(r.prompt_ids)[0]
+                prompt_lp = wire.input_logprob_entries(r.prompt_ids, scores, start)
             for _ in range(r.sampling.n):
-                items.append(wire.sample_to_json(samples[k], options, r.sampling.max_new_tokens))
+                items.append(wire.sample_to_json(samples[k], options, r.sampling.max_new_tokens, prompt_lp))
                 k += 1
         return 200, (items if batch or len(items) > 1 else items[0])
 

@@ -3,7 +3,8 @@ so both ends encode the same way.
 
 ``/generate`` (SGLang 0.5.x field names): request ``input_ids`` (one prompt or a list),
 ``sampling_params`` (one object or one per prompt), ``return_logprob``, ``top_logprobs_num``,
-``logprob_start_len``, ``return_routed_experts``, ``routed_experts_start_len``, ``rid``. Response item:
+``logprob_start_len`` (``>= 0``: prompt log-probs ``input_token_logprobs`` from that position, first entry
+``None``), ``return_routed_experts``, ``routed_experts_start_len``, ``rid``. Response item:
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", ...},
 "prompt_tokens", "completion_tokens", "weight_version", "output_token_logprobs": [[logprob, id, null]],
 "output_top_logprobs": [[[logprob, id, null], ...]], "routed_experts": base64 int32}}``. A single prompt
@@ -120,9 +121,9 @@ def parse_generate(body: Any) -> Tuple[List[GenerateRequest], bool, Dict[str, An
     if top_n < 0:
         raise BadRequest("top_logprobs_num", f"expected >= 0, got {top_n}")
     start = _get(body, "logprob_start_len", int, -1)
-    if start != -1 and any(start < len(p) for p in prompts):
-        raise BadRequest("logprob_start_len", "prompt (input) log-probs are not supported by the embedded "
-                         "server; use -1")
+    if start < -1:
+        raise BadRequest("logprob_start_len", f"expected -1 (no prompt log-probs) or a prompt position >= 0, "
+                         f"got {start}")
     routed = _get(body, "return_routed_experts", bool, False)
     routed_start = _get(body, "routed_experts_start_len", int, 0)
     if routed_start < 0:
@@ -134,7 +135,7 @@ def parse_generate(body: Any) -> Tuple[List[GenerateRequest], bool, Dict[str, An
     requests = [GenerateRequest(tuple(p), s, return_top_logprobs=top_n if body.get("return_logprob") else 0,
                                 return_routed_experts=routed, rid=r) for p, s, r in zip(prompts, params, rids)]
     options = dict(return_logprob=_get(body, "return_logprob", bool, False), top_logprobs_num=top_n,
-                   return_routed_experts=routed, routed_experts_start_len=routed_start)
+                   return_routed_experts=routed, routed_experts_start_len=routed_start, logprob_start_len=start)
     return requests, batch, options
 
 
@@ -163,7 +164,45 @@ def decode_routed(b64: str, layers: int, topk: int) -> torch.Tensor:
     return torch.from_numpy(flat.copy()).view(-1, layers, topk)
 
 
-def sample_to_json(s: Sample, options: Dict[str, Any], max_new_tokens: int) -> Dict[str, Any]:
+def input_logprob_entries(prompt_ids: Sequence[int], logprobs: torch.Tensor, start: int) -> List[List[Any]]:
+    """SGLang's ``input_token_logprobs`` from prompt position ``start``: ``[logprob, id, None]`` per token,
+    the logprob of position 0 being ``None`` (nothing precedes it). ``logprobs``: ``[P - 1]`` teacher-forced
+    log-probs of ``prompt_ids[1:]``."""
+    values = [None] + [float(v) for v in logprobs.tolist()]
+    return [[values[i], int(prompt_ids[i]), None] for i in range(start, len(prompt_ids))]
+
+
+def prompt_logprobs_request(token_ids: Sequence[int]) -> Dict[str, Any]:
+    """A ``/generate`` body that scores ``token_ids`` (SGLang and the embedded server). Temperature 1 so the
+    answer is the plain log-softmax whether or not the server scales prompt log-probs by the temperature;
+    one new token because SGLang's sampler always runs; no seed (SGLang's flashinfer sampler refuses it)."""
+    return dict(input_ids=[int(t) for t in token_ids], return_logprob=True, logprob_start_len=0,
+                sampling_params=dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_new_tokens=1))
+
+
+def parse_input_logprobs(item: Any, token_ids: Sequence[int]) -> torch.Tensor:
+    """``[L - 1]`` float32 log-probs of ``token_ids[1:]`` from the answer to :func:`prompt_logprobs_request`."""
+    if isinstance(item, list) and len(item) == 1:
+        item = item[0]
+    meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(token_ids):
+        got = "none" if not isinstance(entries, list) else f"{len(entries)} entries"
+        raise ValueError(f"/generate returned {got} of meta_info.input_token_logprobs for a {len(token_ids)}-token "
+                         "prompt with logprob_start_len=0 (expected one per prompt token)")
+    ids = [int(e[1]) for e in entries]
+    if ids != [int(t) for t in token_ids]:
+        first = next(i for i, (a, b) in enumerate(zip(ids, token_ids)) if a != int(b))
+        raise ValueError(f"input_token_logprobs are for other tokens: position {first} has id {ids[first]}, "
+                         f"the prompt has {int(token_ids[first])}")
+    values = [e[0] for e in entries[1:]]
+    if any(v is None for v in values):
+        raise ValueError("input_token_logprobs has a null log-prob after position 0")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def sample_to_json(s: Sample, options: Dict[str, Any], max_new_tokens: int,
+                   input_logprobs: Optional[List[List[Any]]] = None) -> Dict[str, Any]:
     if s.finish_reason == "stop":
         finish = {"type": "stop", "matched": s.matched_stop}
     elif s.finish_reason == "length":
@@ -175,6 +214,8 @@ def sample_to_json(s: Sample, options: Dict[str, Any], max_new_tokens: int) -> D
         "completion_tokens": len(s.response_ids), "cached_tokens": 0, "weight_version": s.weight_version,
         "logprob_mode": s.logprob_mode,  # extension: which convention the log-probs follow
     }
+    if options["return_logprob"] and input_logprobs is not None:
+        meta["input_token_logprobs"] = input_logprobs
     if options["return_logprob"]:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.response_ids)]
         if options["top_logprobs_num"] and s.top_logprob_ids is not None:

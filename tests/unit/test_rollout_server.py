@@ -88,7 +88,7 @@ def test_sglang_response_shape(moe_server):
     ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
     ({"input_ids": [1], "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
-    ({"input_ids": [1, 2], "logprob_start_len": 0}, "logprob_start_len"),
+    ({"input_ids": [1, 2], "logprob_start_len": -2}, "logprob_start_len"),
     ({"input_ids": [1], "stream": True}, "stream"),
     ({"input_ids": [VOCAB + 1]}, "input_ids"),
     ({"input_ids": [[1], [VOCAB + 1]]}, "input_ids[1]"),

@@ -1,0 +1,448 @@
+"""Weight sync: the trainer's Megatron shards -> a rollout engine, then a check that they agree.
+
+``WeightSync(built, engine, config).sync(version)`` is collective: every trainer rank calls it.
+
+1. Every rank iterates :func:`megatron_rl.models.weights.iter_hf_weights` to the end. It yields full
+   HF-named tensors in a stable order; producing each one is a collective (TP / expert-TP / EP
+   all-gathers, a PP broadcast), so ranks that send nothing still take part.
+2. One rank, the *sender* (global rank 0 by default -- TP rank 0 of PP stage 0 of DP replica 0; any rank
+   would do, since every rank sees every tensor), holds the engine handle. It casts each tensor to the
+   engine's dtype and groups tensors into buckets of at most ``bucket_mb`` (a larger tensor travels
+   alone). Buckets are built lazily and handed to ``engine.update_weights`` as a generator, so bucket
+   ``k`` is on its way before bucket ``k + 1`` is gathered: the extra memory is one bucket plus the
+   tensor being gathered, never a second copy of the model. Other ranks drop each tensor at once.
+3. The transport is the engine's own (reused, not re-implemented here): ``EmbeddedEngine`` copies in
+   process; ``RemoteEngine`` posts safetensors buckets to ``/update_weights_from_tensor``
+   (``weight_transport="tensor"``) or announces each bucket on ``/update_weights_from_distributed`` and
+   broadcasts it over the weight group (``"distributed"``; call ``engine.init_weight_sync(...)`` once).
+4. The check (``config.check``): every rank runs the Megatron model on a fixed pseudo-random probe
+   sequence; the last pipeline stage turns its vocab-sharded logits into per-token log-probs with
+   ``ops.vocab_parallel_stats`` and broadcasts them over PP; the sender asks every engine replica for
+   its teacher-forced log-probs of the same sequence (``RolloutEngine.prompt_logprobs``) and compares.
+   Random tokens exercise every layer's weights at once. Measured (tests/distributed/test_weight_sync.py):
+   fp32 on CPU, float noise <= 2e-6 (tolerance 1e-4) against 0.09 for one tensor left stale after a
+   ~10% update and 3.1 for two swapped tensors; a bf16 engine's noise is ~0.02-0.08, so its tolerance
+   (~0.25) still catches garbling but not one tensor that is a single small step stale.
+5. The outcome is agreed on by all ranks (one ``all_gather_object``): every rank returns the same
+   :class:`SyncStats`, or raises -- the rank that failed its original exception, the others a
+   :class:`WeightSyncError` (a :class:`WeightMismatchError` for a failed check) with the same message.
+   An engine failure part-way never leaves other ranks hanging in a gather: the sender drains the
+   export to the end first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.protocol import RolloutEngine
+from megatron_rl.rollout.weight_group import dtype_from_name, dtype_name
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+class WeightSyncError(RuntimeError):
+    """The sync failed (engine rejected a bucket, a transport error, a failure on another rank)."""
+
+
+class WeightMismatchError(WeightSyncError):
+    """After a sync, the engine's log-probs of the probe differ from the trainer's: garbled weights."""
+
+    def __init__(self, message: str, max_abs_diff: float = math.nan, position: int = -1, replica: int = 0):
+        super().__init__(message)
+        self.max_abs_diff, self.position, self.replica = max_abs_diff, position, replica
+
+
+@dataclass
+class WeightSyncConfig:
+    """``bucket_mb``: bucket size limit (MiB, in the engine dtype). ``check_tolerance``: max |log-prob
+    difference| allowed between engine and trainer on the probe (fp32 both sides: 1e-4; a bf16 engine
+    against an fp32 trainer: ~0.25, see the module doc). ``probe_length`` is capped at the model's
+    context - 1 and rounded down to a multiple of TP (sequence parallelism)."""
+
+    bucket_mb: float = 512.0
+    check: bool = True
+    check_tolerance: float = 1e-4
+    probe_length: int = 256
+    probe_seed: int = 0
+    engine_dtype: Optional[str] = None  # None: an EmbeddedEngine's own dtype, else the trainer's params dtype
+    progress: bool = True  # tqdm bar on the sender (bytes sent)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb!r}: expected a size in MiB > 0 (e.g. 512)")
+        tol = self.check_tolerance
+        if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
+            raise ValueError(f"weight_sync.check_tolerance={tol!r}: expected a finite number > 0 "
+                             "(1e-4 for fp32 engines, ~0.1 for bf16)")
+        if not isinstance(self.probe_length, int) or self.probe_length < 2:
+            raise ValueError(f"weight_sync.probe_length={self.probe_length!r}: expected an integer >= 2 tokens")
+        if self.engine_dtype is not None:
+            try:
+                dtype_from_name(self.engine_dtype)
+            except ValueError as e:
+                raise ValueError(f"weight_sync.engine_dtype: {e}") from None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * MiB))
+
+
+@dataclass
+class ProbeCheck:
+    """Engine vs trainer log-probs of the probe: the worst replica's largest difference and where it was."""
+
+    max_abs_diff: float
+    position: int  # probe position t: the log-prob of token t + 1 given tokens 0..t
+    mean_abs_diff: float
+    length: int  # probe tokens (length - 1 log-probs compared)
+    seconds: float = 0.0
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved and how long it took (the sender's numbers, agreed on every rank).
+
+    ``seconds``: the whole call. ``transfer_seconds``: export + send. ``gather_seconds``: of that, the
+    time spent producing tensors (gathers, PP broadcasts, casts); the rest is the engine receiving.
+    ``bytes``: payload in the engine dtype. ``bucket_bytes[i]`` / ``bucket_tensors[i]``: bucket ``i``.
+    """
+
+    version: str
+    seconds: float
+    transfer_seconds: float
+    gather_seconds: float
+    bytes: int
+    buckets: int
+    tensors: int
+    dtype: str
+    bucket_bytes: List[int] = field(default_factory=list)
+    bucket_tensors: List[int] = field(default_factory=list)
+    check: Optional[ProbeCheck] = None
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max(self.bucket_bytes, default=0)
+
+    def metrics(self, prefix: str = "weight_sync/") -> Dict[str, float]:
+        out = dict(seconds=self.seconds, transfer_seconds=self.transfer_seconds, gather_seconds=self.gather_seconds,
+                   bytes=float(self.bytes), buckets=float(self.buckets), tensors=float(self.tensors),
+                   gb_per_s=self.bytes / 1e9 / max(self.transfer_seconds, 1e-9))
+        if self.check is not None:
+            out.update(check_max_abs_diff=self.check.max_abs_diff, check_seconds=self.check.seconds)
+        return {prefix + k: float(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Buckets
+# ------------------------------------------------------------------------------------------------
+
+
+def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], max_bytes: int,
+                 dtype: Optional[torch.dtype] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs, cast to ``dtype``, into lists of at most ``max_bytes`` bytes; a
+    tensor larger than ``max_bytes`` forms a bucket of its own. Lazy: reads one tensor past the bucket."""
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        if dtype is not None and t.dtype != dtype and t.is_floating_point():
+            t = t.to(dtype)  # same dtype: no copy (the bucket may alias parameters until it is sent)
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class _Meter:
+    """Wraps the sender's bucket stream: bucket sizes, time spent producing, a progress bar over bytes."""
+
+    def __init__(self, total_bytes: int, desc: str, progress: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                        disable=not progress, mininterval=0.5, leave=False)
+        self.gather_s = 0.0
+        self.bucket_bytes: List[int] = []
+        self.bucket_tensors: List[int] = []
+
+    def wrap(self, buckets: Iterator[List[Tuple[str, torch.Tensor]]]):
+        t = time.perf_counter()
+        for bucket in buckets:
+            self.gather_s += time.perf_counter() - t
+            nbytes = sum(x.numel() * x.element_size() for _, x in bucket)
+            self.bucket_bytes.append(nbytes)
+            self.bucket_tensors.append(len(bucket))
+            yield bucket
+            self.bar.update(nbytes)  # the engine asked for the next bucket: this one is through
+            t = time.perf_counter()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _drain(it: Iterator) -> int:
+    return sum(1 for _ in it)
+
+
+# ------------------------------------------------------------------------------------------------
+# The probe
+# ------------------------------------------------------------------------------------------------
+
+
+def probe_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
+    """``[length]`` int64 pseudo-random token ids, the same on every rank and every run for one seed."""
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, int(vocab_size), (int(length),), generator=g)
+
+
+def probe_length(config: WeightSyncConfig, built) -> int:
+    """The probe length actually used: ``config.probe_length`` capped at the context length - 1 (the
+    engine needs room for its one sampled token) and rounded down to a multiple of TP (sequence
+    parallelism splits the sequence over TP ranks)."""
+    tp = built.shard.tp.size
+    n = min(config.probe_length, built.arch.max_position_embeddings - 1)
+    n -= n % tp
+    if n < 2:
+        raise ValueError(f"weight_sync.probe_length={config.probe_length} leaves a probe of {n} tokens for "
+                         f"max_position_embeddings={built.arch.max_position_embeddings} and TP={tp}")
+    return n
+
+
+def trainer_probe_logprobs(built, ids: torch.Tensor) -> torch.Tensor:
+    """``[L - 1]`` float32 log-probs of ``ids[1:]`` (teacher-forced, temperature 1) under the Megatron
+    model, returned on every rank. Collective: all ranks run the forward (MoE token dispatch crosses DP
+    ranks); the last PP stage computes the log-probs from its ``[1, L, V_pad/TP]`` logits with
+    ``vocab_parallel_stats`` (padding columns excluded via ``vocab_size``) and broadcasts them over PP."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl.ops import vocab_parallel_stats
+
+    if getattr(built.tconfig, "context_parallel_size", 1) > 1:
+        raise NotImplementedError("the weight-sync probe does not split the sequence for context parallelism; "
+                                  "set WeightSyncConfig.check=False with CP > 1")
+    device = next(built.module.parameters()).device
+    tokens = ids.view(1, -1).to(device)
+    n = tokens.shape[1]
+    positions = torch.arange(n, device=device).unsqueeze(0)
+    tp = built.shard.tp
+    out: Dict[str, torch.Tensor] = {}
+
+    def loss_fn(logits):  # [1, L, V_pad/TP] on the last stage
+        stats = vocab_parallel_stats(logits[:, :-1], tokens[:, 1:], tp_group=tp.group if tp.size > 1 else None,
+                                     vocab_size=built.vocab_size)
+        out["logprobs"] = stats.logprobs.reshape(-1).float()
+        return logits.sum() * 0.0, {}
+
+    def step(_data_iterator, model):
+        return model(tokens, positions, attention_mask=None), loss_fn
+
+    was_training = built.module.training
+    built.module.eval()  # no dropout; restored below so the trainer's mode is untouched
+    try:
+        with torch.no_grad():
+            get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[built.module],
+                                        num_microbatches=1, seq_length=n, micro_batch_size=1, forward_only=True)
+    finally:
+        built.module.train(was_training)
+    logprobs = out.get("logprobs")
+    if logprobs is None:
+        logprobs = torch.empty(n - 1, dtype=torch.float32, device=device)
+    pp = built.shard.pp
+    if pp.size > 1:
+        dist.broadcast(logprobs, src=dist.get_global_rank(pp.group, pp.size - 1), group=pp.group)
+    return logprobs.cpu()
+
+
+def compare_logprobs(trainer: torch.Tensor, engine: torch.Tensor, tolerance: float, ids: torch.Tensor,
+                     where: str = "the engine") -> ProbeCheck:
+    """Raise :class:`WeightMismatchError` if ``max |trainer - engine| > tolerance`` (or anything is not
+    finite); the message names the difference, the worst position and its token."""
+    if tuple(engine.shape) != tuple(trainer.shape):
+        raise WeightMismatchError(f"{where} returned {tuple(engine.shape)} probe log-probs, the trainer "
+                                  f"{tuple(trainer.shape)}: it did not score the whole probe sequence")
+    diff = (trainer.double() - engine.double()).abs()
+    finite = torch.isfinite(diff)
+    if not bool(finite.all()):
+        pos = int((~finite).nonzero()[0])
+        max_diff, mean_diff = math.inf, math.inf
+    else:
+        pos = int(diff.argmax())
+        max_diff, mean_diff = float(diff[pos]), float(diff.mean())
+    if not max_diff <= tolerance:
+        raise WeightMismatchError(
+            f"weight sync check failed ({where}): the engine's log-probs of the probe sequence differ from the "
+            f"trainer's by up to {max_diff:.3g} (tolerance {tolerance:g}) at probe position {pos} (predicting token id "
+            f"{int(ids[pos + 1])}: trainer {float(trainer[pos]):.6g}, engine {float(engine[pos]):.6g}); mean "
+            f"|diff| {mean_diff:.3g} over {diff.numel()} positions. The engine's weights are not the trainer's: "
+            "a tensor was dropped, permuted, mis-named or mis-cast on the way, or the engine never got these "
+            "weights (or the tolerance is too tight for a bf16 engine: raise WeightSyncConfig.check_tolerance).",
+            max_diff, pos)
+    return ProbeCheck(max_diff, pos, mean_diff, len(ids))
+
+
+# ------------------------------------------------------------------------------------------------
+# The sync
+# ------------------------------------------------------------------------------------------------
+
+
+def _engine_dtype(config: WeightSyncConfig, engine: Optional[RolloutEngine], built) -> torch.dtype:
+    if config.engine_dtype is not None:
+        return dtype_from_name(config.engine_dtype)
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    if isinstance(engine, EmbeddedEngine):
+        return next(engine.model.parameters()).dtype
+    return built.tconfig.params_dtype  # SGLang does not report its dtype: say it with engine_dtype
+
+
+class WeightSync:
+    """Trainer -> engine weight sync with a post-sync log-prob check (module doc). Collective.
+
+    ``engine`` is needed on the sender only (other ranks pass None). ``group``: all trainer ranks
+    (None: the default world); ``sender_rank``: the global rank that talks to the engine.
+    """
+
+    def __init__(self, built, engine: Optional[RolloutEngine], config: Optional[WeightSyncConfig] = None, *,
+                 sender_rank: int = 0, group: Optional[dist.ProcessGroup] = None):
+        self.built, self.engine = built, engine
+        self.config = config or WeightSyncConfig()
+        self.group = group
+        distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world = dist.get_world_size(group) if distributed else 1
+        self.sender_rank = sender_rank
+        self.is_sender = self.rank == sender_rank
+        if self.is_sender and engine is None:
+            raise ValueError(f"rank {self.rank} is the weight-sync sender (sender_rank={sender_rank}): give it the "
+                             "rollout engine")
+        self.dtype = _engine_dtype(self.config, engine, built)
+        from megatron_rl.models import mapping
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.total_bytes = sum(math.prod(s) * elem for s in mapping.hf_shapes(built.arch).values())
+        self.probe = probe_tokens(built.vocab_size, probe_length(self.config, built), self.config.probe_seed)
+
+    # ---- agreement between ranks -------------------------------------------------------------------
+
+    def _agree(self, error: Optional[BaseException], result: Any = None) -> Any:
+        """Every rank learns every rank's error and the sender's result; raise on all ranks if any failed."""
+        mine = (None if error is None else (type(error).__name__, str(error), isinstance(error, WeightMismatchError)),
+                result if self.is_sender else None)
+        if self.world > 1:
+            gathered: List[Any] = [None] * self.world
+            dist.all_gather_object(gathered, mine, group=self.group)
+        else:
+            gathered = [mine]
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        if failed:
+            r, (kind, message, mismatch) = failed[0]
+            cls = WeightMismatchError if mismatch else WeightSyncError
+            raise cls(f"weight sync failed on rank {r} ({kind}): {message}")
+        sender = self.sender_rank if self.group is None else dist.get_group_rank(self.group, self.sender_rank)
+        return gathered[sender][1]
+
+    # ---- API ------------------------------------------------------------------------------------------
+
+    def sync(self, version: Any) -> SyncStats:
+        """Push the trainer's current weights to the engine as ``version``, then check (if configured)."""
+        from megatron_rl.models.weights import iter_hf_weights
+
+        start = time.perf_counter()
+        version = str(version)
+        source = iter_hf_weights(self.built, all_stages=True)
+        error: Optional[BaseException] = None
+        stats = None
+        try:
+            if self.is_sender:
+                stats = self._send(source, version)
+            else:
+                _drain(source)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+            error = e
+        if self.is_sender and stats is not None:
+            stats.transfer_seconds = time.perf_counter() - start
+        stats = self._agree(error, stats)
+        if self.config.check:
+            stats.check = self.check(what=f"after syncing version {version}")
+        stats.seconds = time.perf_counter() - start
+        if self.is_sender:
+            log.info("weight sync v%s: %.1f MiB (%s) in %d buckets, %d tensors, %.2f s%s", version, stats.bytes / MiB,
+                     stats.dtype, stats.buckets, stats.tensors, stats.seconds,
+                     f"; probe max |dlogp| {stats.check.max_abs_diff:.2e}" if stats.check else "")
+        return stats
+
+    def _send(self, source: Iterator[Tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress)
+        error: Optional[BaseException] = None
+        # Producing a bucket runs collectives, so the engine must pull buckets from this thread, one at a
+        # time (EmbeddedEngine and RemoteEngine do; RemoteEngine's pool threads only do the HTTP calls).
+        try:
+            self.engine.update_weights(meter.wrap(iter_buckets(source, self.config.bucket_bytes, self.dtype)), version)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the drain
+            error = e
+        finally:
+            meter.close()
+        # The other ranks are still gathering: finish the export so no collective is left unmatched.
+        left = _drain(source)
+        if error is not None:
+            raise error
+        if left:
+            raise WeightSyncError(f"{type(self.engine).__name__}.update_weights returned without consuming every "
+                                  f"bucket ({left} tensors were never sent)")
+        return SyncStats(version=version, seconds=0.0, transfer_seconds=0.0, gather_seconds=meter.gather_s,
+                         bytes=sum(meter.bucket_bytes), buckets=len(meter.bucket_bytes),
+                         tensors=sum(meter.bucket_tensors), dtype=dtype_name(self.dtype),
+                         bucket_bytes=meter.bucket_bytes, bucket_tensors=meter.bucket_tensors)
+
+    def check(self, what: str = "") -> ProbeCheck:
+        """Compare every engine replica's log-probs of the probe with the trainer's (collective). Also
+        useful before the first sync: the engine must have been started from the trainer's checkpoint."""
+        start = time.perf_counter()
+        error: Optional[BaseException] = None
+        result = None
+        try:
+            trainer = trainer_probe_logprobs(self.built, self.probe)
+        except Exception as e:  # noqa: BLE001
+            error, trainer = e, None
+        if self.is_sender and error is None:
+            try:
+                result = self._compare(trainer, what)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if result is not None:
+            result.seconds = time.perf_counter() - start
+        return self._agree(error, result)
+
+    def _compare(self, trainer: torch.Tensor, what: str) -> ProbeCheck:
+        replicas = self.engine.prompt_logprobs(self.probe.tolist())
+        urls = [getattr(c, "url", None) for c in getattr(self.engine, "clients", [])]
+        worst = None
+        for i, engine_lp in enumerate(replicas):
+            where = f"replica {i}" + (f" ({urls[i]})" if i < len(urls) and urls[i] else "")
+            where = f"{type(self.engine).__name__} {where}" + (f" {what}" if what else "")
+            try:
+                res = compare_logprobs(trainer, torch.as_tensor(engine_lp).float().cpu(),
+                                       self.config.check_tolerance, self.probe, where)
+            except WeightMismatchError as e:
+                e.replica = i
+                raise
+            if worst is None or res.max_abs_diff > worst.max_abs_diff:
+                worst = res
+        if worst is None:
+            raise WeightSyncError(f"{type(self.engine).__name__}.prompt_logprobs returned no replica")
+        return worst
+
