@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("env", help="show versions, devices and optional GPU extras")
     p.set_defaults(func=_cmd_env)
+    from megatron_rl.launch import slurm  # stdlib + yaml only: cheap to import
+
+    p = sub.add_parser("slurm", help="render an sbatch script running a recipe on a Ray cluster over SLURM "
+                       "nodes, and submit it (or print it with --dry-run)")
+    slurm.add_arguments(p)
+    p.set_defaults(func=slurm.cli_main)
     return ap
 
 
