@@ -5,5 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv} bash scripts/setup_venv.sh
 . "${VENV:-.venv}/bin/activate"
+if [ "${WITH_SLURM:-0}" = 1 ]; then
+  bash scripts/setup_slurm.sh  # root + Debian: a local 2-node SLURM for tests/distributed/test_slurm_job.py
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 python -m pytest -q "$@"
