@@ -371,3 +371,31 @@ def _optimizer_type_checks_accept_cpu() -> None:
     if hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
         optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
 
+
+
+@_patch(
+    reason="loading a 'fully_reshardable' distributed-optimizer checkpoint into torch's Adam (no Apex/TE "
+    "FusedAdam, as on CPU) copies every state key of the destination, 'step' included, from a source "
+    "that deliberately omits it (KeyError: 'step'); the step is restored from the param groups anyway",
+    remove_when="DistributedOptimizer._set_main_param_and_optimizer_states skips keys the source lacks",
+)
+def _fully_reshardable_load_keeps_step() -> None:
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+    if getattr(original, "_megatron_rl_compat", False):
+        return
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:  # already set from the param groups by load_state_dict(): keep it
+                tensors = dict(tensors, step=state["step"].clone())
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states._megatron_rl_compat = True
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states

@@ -45,7 +45,7 @@ class _VocabParallelKL(torch.autograd.Function):
         M, Mr, S, Sr, dot, tv = (torch.zeros(rows, **f) for _ in range(6))
         c_max = max(1, min(chunk, rows))
         zbuf, rbuf, ebuf, erbuf = (torch.empty(c_max, nv, **f) for _ in range(4))
-        tmp = torch.empty(c_max, nv, **f) if nv < sh._ROWDOT_LOOP_MIN_WIDTH else None
+        tmp = torch.empty(c_max, nv, **f)
         reverse = direction == "reverse"
         has_nonfinite = False
         for s, t in sh.row_chunks(rows, c_max):
@@ -65,8 +65,7 @@ class _VocabParallelKL(torch.autograd.Function):
                 sums[0], sums[1] = e.sum(-1), er.sum(-1)
                 d = zs.sub_(rs)
                 w = e if reverse else er
-                tmp_c = None if tmp is None else tmp[:c]
-                sums[2] = sh.rowdot(w, d, tmp_c)
+                sums[2] = sh.rowdot(w, d, tmp[:c])
                 bad = torch.isnan(sums[2]) & ~torch.isnan(sums[0] + sums[1])
                 if bool(bad.any()):  # -inf logits: 0 * inf terms; NaN inputs still propagate
                     has_nonfinite = True

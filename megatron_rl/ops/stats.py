@@ -77,7 +77,7 @@ class _VocabParallelStats(torch.autograd.Function):
         c_max = max(1, min(chunk, rows))
         zbuf = torch.empty(c_max, nv, **f)  # z - M
         ebuf = torch.empty(c_max, nv, **f)  # exp(z - M)
-        tmp = torch.empty(c_max, nv, **f) if nv < sh._ROWDOT_LOOP_MIN_WIDTH else None
+        tmp = torch.empty(c_max, nv, **f)
         has_neginf = False
         for s, t in sh.row_chunks(rows, c_max):
             c = t - s
@@ -93,7 +93,7 @@ class _VocabParallelStats(torch.autograd.Function):
                 zs = sh.shifted(zc, m, zbuf)
                 e = torch.exp(zs, out=ebuf[:c])
                 sums[0] = e.sum(-1)
-                sums[1] = sh.rowdot(e, zs, None if tmp is None else tmp[:c])
+                sums[1] = sh.rowdot(e, zs, tmp[:c])
                 bad = torch.isnan(sums[1]) & ~torch.isnan(sums[0])
                 if bool(bad.any()):  # -inf logits: 0 * -inf terms; NaN inputs still propagate
                     has_neginf = True

@@ -1,0 +1,267 @@
+"""The trainer's batch record and its split into micro-batches.
+
+:class:`TrainBatch` holds one data-parallel rank's sequences (prompt + response) as right-padded
+tensors, with every per-token quantity aligned to *response* positions: column ``j`` of a
+``[B, R]`` field belongs to response token ``j`` of its sequence, i.e. token ``P_i + j`` of
+``input_ids`` (``P_i`` the prompt length). That is the layout the rollout engine produces and the one
+:class:`megatron_rl.objectives.LossInputs` consumes, so no index bookkeeping leaks into the driver.
+
+Variable lengths: **padded per micro-batch, not packed.** Each micro-batch is right-padded to its own
+longest sequence (rounded up to ``pad_to_multiple`` and to the TP size under sequence parallelism).
+Packing (THD) would save the padding, but our portable CPU attention (SDPA) has no packed-sequence
+support and Megatron's THD path needs Transformer Engine; right padding under a causal mask leaves
+every real position's output unchanged, so no attention mask is needed either. With
+``group_by_length`` similar lengths share a micro-batch, which keeps the padding small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+Tensor = torch.Tensor
+_TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+
+
+@dataclass
+class TrainBatch:
+    """Sequences of one data-parallel rank for one optimizer step (or one forward pass).
+
+    Attributes:
+        input_ids: ``[B, L]`` int64 prompt + response token ids, right-padded (any id beyond the length).
+        prompt_lengths: ``[B]`` tokens of prompt (>= 1: the first response token needs a context).
+        response_lengths: ``[B]`` tokens of response; ``prompt_lengths + response_lengths <= L``.
+        response_mask: ``[B, R]`` bool loss mask over response positions: True for model-generated tokens,
+            False for tool/observation tokens and for padding (``j >= response_lengths``, enforced).
+        advantages: ``[B, R]`` per-token advantages.
+        rollout_logprobs: ``[B, R]`` log μ of each response token from the rollout engine (bypass mode,
+            rollout correction, TRM).
+        old_logprobs: ``[B, R]`` log π_old from :meth:`PolicyTrainer.forward` (decoupled mode).
+        ref_logprobs: ``[B, R]`` log π_ref of the sampled tokens (sample-based KL penalties).
+        routed_experts: ``[B, L, num_moe_layers, topk]`` expert ids the rollout engine chose at each input
+            position (prompt and response), MoE layers in model order; for routing replay.
+        group_ids: ``[B]`` prompt group of each sequence (GRPO groups); carried, not used by the loss.
+    """
+
+    input_ids: Tensor
+    prompt_lengths: Tensor
+    response_lengths: Tensor
+    response_mask: Tensor
+    advantages: Optional[Tensor] = None
+    rollout_logprobs: Optional[Tensor] = None
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    routed_experts: Optional[Tensor] = None
+    group_ids: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        ids = self.input_ids
+        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"TrainBatch.input_ids must be an int64 [B, L] tensor, got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+        self.input_ids = ids.long()
+        B, L = ids.shape
+        for name in ("prompt_lengths", "response_lengths"):
+            v = torch.as_tensor(getattr(self, name))
+            if v.shape != (B,):
+                raise ValueError(f"TrainBatch.{name} must be [B={B}], got shape {tuple(v.shape)}")
+            setattr(self, name, v.long())
+        if B and int(self.prompt_lengths.min()) < 1:
+            raise ValueError("TrainBatch.prompt_lengths must be >= 1 (a response token needs at least one token "
+                             "of context)")
+        if B and int(self.response_lengths.min()) < 0:
+            raise ValueError("TrainBatch.response_lengths must be >= 0")
+        total = self.prompt_lengths + self.response_lengths
+        if B and int(total.max()) > L:
+            raise ValueError(f"TrainBatch: prompt_lengths + response_lengths reach {int(total.max())} > "
+                             f"input_ids width L={L}")
+        mask = self.response_mask
+        if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[0] != B:
+            raise ValueError(f"TrainBatch.response_mask must be [B={B}, R], got {tuple(getattr(mask, 'shape', ()))}")
+        R = mask.shape[1]
+        if R < 1:
+            raise ValueError("TrainBatch.response_mask needs at least one column (R >= 1)")
+        if B and int(self.response_lengths.max()) > R:
+            raise ValueError(f"TrainBatch.response_mask has R={R} columns but a response has "
+                             f"{int(self.response_lengths.max())} tokens")
+        # Positions past a response's end are padding whatever the caller wrote there.
+        self.response_mask = mask.bool() & (torch.arange(R)[None, :] < self.response_lengths[:, None])
+        for name in _TOKEN_FIELDS:
+            v = getattr(self, name)
+            if v is not None:
+                if not isinstance(v, Tensor) or v.shape != (B, R):
+                    raise ValueError(f"TrainBatch.{name} must be per-token [B={B}, R={R}] aligned with response_mask, "
+                                     f"got {tuple(getattr(v, 'shape', ()))}")
+                setattr(self, name, v.float() if v.dtype in (torch.float16, torch.bfloat16) else v)
+        re = self.routed_experts
+        if re is not None and (re.dim() != 4 or re.shape[:2] != (B, L)):
+            raise ValueError(f"TrainBatch.routed_experts must be [B={B}, L={L}, num_moe_layers, topk], got "
+                             f"{tuple(re.shape)}")
+        if self.group_ids is not None and torch.as_tensor(self.group_ids).shape != (B,):
+            raise ValueError(f"TrainBatch.group_ids must be [B={B}]")
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_lengths(self) -> Tensor:
+        return self.prompt_lengths + self.response_lengths
+
+    def select(self, rows: Union[Sequence[int], Tensor]) -> "TrainBatch":
+        """The sub-batch of the given rows (same widths L and R)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        kw = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[rows])
+              for f in dataclasses.fields(self)}
+        return TrainBatch(**kw)
+
+    def split(self, parts: int) -> List["TrainBatch"]:
+        """``parts`` contiguous equal shards (e.g. one per data-parallel rank)."""
+        if parts < 1 or self.batch_size % parts:
+            raise ValueError(f"cannot split a batch of {self.batch_size} sequences into {parts} equal parts")
+        n = self.batch_size // parts
+        return [self.select(range(i * n, (i + 1) * n)) for i in range(parts)]
+
+    def replace(self, **fields) -> "TrainBatch":
+        """A copy with some fields replaced (e.g. ``old_logprobs=forward_result.logprobs``)."""
+        return dataclasses.replace(self, **fields)
+
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                       advantages: Optional[Sequence] = None, loss_masks: Optional[Sequence] = None,
+                       rollout_logprobs: Optional[Sequence] = None, routed_experts: Optional[Sequence] = None,
+                       group_ids: Optional[Sequence[int]] = None, pad_id: int = 0) -> "TrainBatch":
+        """Pad python/tensor sequences into a batch. ``advantages`` items may be a float (broadcast over the
+        response) or per-token; ``routed_experts`` items are ``[P_i + R_i, num_moe_layers, topk]``."""
+        B = len(prompts)
+        if len(responses) != B:
+            raise ValueError(f"{B} prompts but {len(responses)} responses")
+        plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        rlen = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        L, R = int((plen + rlen).max()) if B else 0, max(1, int(rlen.max()) if B else 1)
+        ids = torch.full((B, L), pad_id, dtype=torch.long)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids[i, : len(p) + len(r)] = torch.cat([torch.as_tensor(p, dtype=torch.long).reshape(-1),
+                                                   torch.as_tensor(r, dtype=torch.long).reshape(-1)])
+
+        def per_token(values, fill, dtype):
+            if values is None:
+                return None
+            out = torch.full((B, R), fill, dtype=dtype)
+            for i, v in enumerate(values):
+                v = torch.as_tensor(v, dtype=dtype)
+                out[i, : rlen[i]] = v if v.dim() == 0 else v.reshape(-1)[: rlen[i]]
+            return out
+
+        mask = torch.ones(B, R, dtype=torch.bool) if loss_masks is None else per_token(loss_masks, False, torch.bool)
+        re = None
+        if routed_experts is not None:
+            first = torch.as_tensor(routed_experts[0])
+            re = torch.zeros((B, L) + tuple(first.shape[1:]), dtype=torch.long)
+            re[:] = torch.arange(first.shape[-1])  # padding: any valid, distinct expert ids
+            for i, r in enumerate(routed_experts):
+                r = torch.as_tensor(r, dtype=torch.long)
+                re[i, : r.shape[0]] = r
+        return cls(ids, plen, rlen, mask, advantages=per_token(advantages, 0.0, torch.float32),
+                   rollout_logprobs=per_token(rollout_logprobs, 0.0, torch.float32), routed_experts=re,
+                   group_ids=None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long))
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as the model and the loss see it.
+
+    ``rows`` index the parent batch. ``input_ids``/``position_ids`` are ``[b, s]`` (``s`` this
+    micro-batch's padded length); response-aligned fields are ``[b, r]`` with ``r`` its longest response
+    (at least 1). ``logit_index[i, j]`` is the sequence position whose logits predict response token
+    ``j`` (``P_i - 1 + j``, clamped inside the sequence for padding columns).
+    """
+
+    rows: Tensor
+    input_ids: Tensor
+    position_ids: Tensor
+    logit_index: Tensor
+    response_mask: Tensor
+    advantages: Optional[Tensor]
+    rollout_logprobs: Optional[Tensor]
+    old_logprobs: Optional[Tensor]
+    ref_logprobs: Optional[Tensor]
+    routed_experts: Optional[Tensor]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def targets(self) -> Tensor:
+        """``[b, s]`` next-token ids (the last column, predicting nothing, gets id 0)."""
+        return torch.cat([self.input_ids[:, 1:], torch.zeros_like(self.input_ids[:, :1])], dim=1)
+
+
+def num_micro_batches(batch_size: int, micro_batch_size: int) -> int:
+    if batch_size < 1:
+        raise ValueError("the batch is empty: nothing to train on (a data-parallel rank needs >= 1 sequence)")
+    if micro_batch_size > batch_size:
+        raise ValueError(f"train.micro_batch_size={micro_batch_size} is larger than this rank's batch of "
+                         f"{batch_size} sequences; lower the micro-batch size or raise the batch size")
+    if batch_size % micro_batch_size:
+        raise ValueError(f"this rank's batch of {batch_size} sequences is not divisible by train.micro_batch_size="
+                         f"{micro_batch_size}; make the per-rank batch a multiple of it")
+    return batch_size // micro_batch_size
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def make_micro_batches(batch: TrainBatch, micro_batch_size: int, *, pad_multiple: int = 1,
+                       group_by_length: bool = True, same_length: bool = False) -> List[MicroBatch]:
+    """Cut ``batch`` into ``B / micro_batch_size`` micro-batches, each padded to its own longest sequence
+    rounded up to ``pad_multiple`` (``same_length``: all to the batch's longest, for pipelines that cannot
+    exchange per-micro-batch shapes)."""
+    count = num_micro_batches(batch.batch_size, micro_batch_size)
+    lengths = batch.seq_lengths
+    fixed = _round_up(int(lengths.max()), pad_multiple) if same_length else None
+    # Stable sort: equal lengths keep their order, so the grouping is deterministic.
+    order = torch.argsort(lengths, stable=True) if group_by_length else torch.arange(batch.batch_size)
+    out = []
+    for k in range(count):
+        rows = order[k * micro_batch_size: (k + 1) * micro_batch_size]
+        out.append(_micro_batch(batch, rows, pad_multiple, fixed))
+    return out
+
+
+def _micro_batch(batch: TrainBatch, rows: Tensor, pad_multiple: int, fixed: Optional[int]) -> MicroBatch:
+    plen, rlen = batch.prompt_lengths[rows], batch.response_lengths[rows]
+    s = fixed or _round_up(int((plen + rlen).max()), pad_multiple)
+    r = max(1, int(rlen.max()))
+    L = batch.input_ids.shape[1]
+    ids = torch.zeros(len(rows), s, dtype=torch.long)
+    ids[:, : min(s, L)] = batch.input_ids[rows, : min(s, L)]
+    ids[torch.arange(s)[None, :] >= (plen + rlen)[:, None]] = 0  # deterministic padding id
+    logit_index = (plen[:, None] - 1 + torch.arange(r)[None, :]).clamp(max=s - 1)
+
+    def tok(name):
+        v = getattr(batch, name)
+        return None if v is None else v[rows, :r]
+
+    routed = None
+    if batch.routed_experts is not None:
+        src = batch.routed_experts[rows, : min(s, L)].long()
+        routed = torch.empty((len(rows), s) + tuple(src.shape[2:]), dtype=torch.long)
+        routed[:] = torch.arange(src.shape[-1])  # rounding padding: any valid, distinct expert ids
+        routed[:, : src.shape[1]] = src
+    return MicroBatch(
+        rows=rows, input_ids=ids, position_ids=torch.arange(s).expand(len(rows), -1).contiguous(),
+        logit_index=logit_index, response_mask=batch.response_mask[rows, :r], advantages=tok("advantages"),
+        rollout_logprobs=tok("rollout_logprobs"), old_logprobs=tok("old_logprobs"), ref_logprobs=tok("ref_logprobs"),
+        routed_experts=routed,
+    )

@@ -1,0 +1,133 @@
+"""The trainer's part of the config tree: :class:`OptimConfig` and :class:`TrainConfig`.
+
+Both are validated on construction (``ValueError`` naming the field and what to change). Checks that
+need the batch or the model (sequence lengths, divisibility by the micro-batch size) live with the
+batch (:mod:`megatron_rl.training.batch`) and run once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.schedules import LRScheduleConfig
+
+_DEFAULT_SCHEDULE_LR = LRScheduleConfig().lr
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer (Megatron's Adam: AdamW-style decoupled weight decay) and LR schedule.
+
+    Attributes:
+        lr: peak learning rate. The schedule's own ``lr`` is taken from here (leave it at its default, or
+            equal, e.g. when a cosine ``min_lr`` above the default needs it at construction).
+        weight_decay: decoupled weight decay (Megatron skips biases and 1-D parameters, e.g. norms).
+        adam_beta1, adam_beta2, adam_eps: Adam hyper-parameters.
+        clip_grad: global gradient-norm clip (0 disables clipping; the norm is still computed, to detect
+            non-finite gradients).
+        use_distributed_optimizer: shard optimizer state over data-parallel ranks (Megatron's
+            DistributedOptimizer; works on CPU through :mod:`megatron_rl.compat`).
+        schedule: LR schedule (warmup + constant / cosine / length-surge), stepped once per successful
+            optimizer step.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+    schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            if not 0 <= v < 1:
+                raise ValueError(f"optim.{name}={v} must be in [0, 1)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"optim.adam_eps={self.adam_eps} must be > 0")
+        if not self.clip_grad >= 0:
+            raise ValueError(f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        if not isinstance(self.schedule, LRScheduleConfig):
+            raise ValueError(f"optim.schedule must be an LRScheduleConfig, got {type(self.schedule).__name__}")
+        if self.schedule.lr not in (self.lr, _DEFAULT_SCHEDULE_LR):
+            raise ValueError(
+                f"optim.schedule.lr={self.schedule.lr} differs from optim.lr={self.lr}: the peak learning rate is "
+                "optim.lr; leave schedule.lr at its default or give it the same value"
+            )
+        # The schedule's peak LR is optim.lr (re-validates min_lr <= lr).
+        object.__setattr__(self, "schedule", dataclasses.replace(self.schedule, lr=self.lr))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How a train step turns a batch into a loss.
+
+    Attributes:
+        micro_batch_size: sequences per micro-batch. The data-parallel rank's batch must be a multiple of
+            it; the number of micro-batches is ``batch_size / micro_batch_size``.
+        temperature: sampling temperature of the rollout; logits are divided by it before every
+            statistic (log-probs, entropy, KL, DVP).
+        objective: the RL loss (:class:`megatron_rl.objectives.ObjectiveConfig`).
+        pad_to_multiple: each micro-batch is right-padded to its own longest sequence, rounded up to this
+            multiple (and to the TP size under sequence parallelism).
+        group_by_length: sort sequences by length before cutting micro-batches (less padding). The loss
+            and gradient do not depend on the grouping: the step's normaliser is global.
+        routing_replay: replay the rollout engine's MoE expert choices (``TrainBatch.routed_experts``).
+        reference_model: a frozen reference policy (same layout) for the exact per-token KL: the dense
+            imitation term (``objective.dense_kl``), ``kl_penalty`` with ``estimator='exact'``, and
+            ``ref_kl`` in forward results. Its logits are kept for all of a step's micro-batches.
+        chunk_size: rows per chunk of the vocabulary-parallel ops (None: their default).
+    """
+
+    micro_batch_size: int = 1
+    temperature: float = 1.0
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    pad_to_multiple: int = 1
+    group_by_length: bool = True
+    routing_replay: bool = False
+    reference_model: Optional[ModelConfig] = None
+    chunk_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise ValueError(f"train.micro_batch_size={self.micro_batch_size!r} must be a positive integer")
+        if not self.temperature > 0:
+            raise ValueError(f"train.temperature={self.temperature} must be > 0")
+        if not isinstance(self.objective, ObjectiveConfig):
+            raise ValueError(f"train.objective must be an ObjectiveConfig, got {type(self.objective).__name__}")
+        if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
+            raise ValueError(f"train.pad_to_multiple={self.pad_to_multiple!r} must be a positive integer")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"train.chunk_size={self.chunk_size} must be >= 1 or None")
+        if self.needs_reference_logits and self.reference_model is None:
+            raise ValueError(
+                "the objective needs the exact per-token KL to a reference policy (objective.dense_kl.beta > 0 or "
+                "objective.kl_penalty with estimator='exact' in the loss): set train.reference_model"
+            )
+        trm = self.objective.trm
+        if trm.enabled and trm.divergence == "exact":
+            raise ValueError(
+                "objective.trm.divergence='exact' needs the rollout engine's full distribution (LossInputs."
+                "rollout_kl), which a TrainBatch does not carry; use divergence='sample' or 'auto'"
+            )
+
+    @property
+    def needs_reference_logits(self) -> bool:
+        o = self.objective
+        return o.dense_kl.beta > 0 or (o.kl_penalty.in_loss and o.kl_penalty.estimator == "exact")
+
+    @property
+    def dvp_min_p(self) -> Optional[float]:
+        """min-p of the fused DVP path (None: DVP off or another rule)."""
+        dvp = self.objective.dvp
+        return dvp.min_p if dvp.enabled and dvp.rule == "min_p" else None

@@ -1,0 +1,338 @@
+"""The policy trainer: a Megatron GPTModel stage, DDP, optimizer and LR schedule behind two calls.
+
+    trainer = PolicyTrainer(ModelConfig(hf_path=...), TrainConfig(...), groups, OptimConfig(...))
+    old = trainer.forward(batch)                                   # log π_old, entropy, Σπ² [B, R]
+    result = trainer.train_step(batch.replace(old_logprobs=old.logprobs))
+
+Every rank of the job calls both with its data-parallel replica's batch (all TP/PP ranks of a
+replica pass the same batch; this is checked). Results are returned on every rank: ``forward`` gives
+the replica's own sequences, ``train_step`` the step-global loss and metrics.
+
+Loss scaling. The objectives' contract: micro-batch and data-parallel contributions ``ℓ_{r,k}`` add up to
+the step loss ``L = Σ_r Σ_k ℓ_{r,k}`` given the step's Normalizer. Megatron back-propagates
+``ℓ' · cp / M`` per micro-batch (M micro-batches) and DDP scales the gradient sum over the
+data-parallel(+CP) group by ``1 / (dp · cp)``, so the gradient applied is
+``Σ_{r,k} (cp / M) ∇ℓ'_{r,k} / (dp · cp) = (1 / (M · dp)) Σ ∇ℓ'``. Returning ``ℓ' = ℓ · M · dp``
+(written ``M · dp_cp / cp``) makes it exactly ∇L, the gradient of the unsplit global loss
+(tests/distributed/test_train_invariance.py checks it against plain autograd on the whole batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.build import BuiltModel, build_model, load_arch
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.objectives import ReduceGroups, step_normalizer
+from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response_length
+from megatron_rl.parallel import ParallelGroups
+from megatron_rl.schedules import LRSchedule, set_lr
+from megatron_rl.training import loss_glue
+from megatron_rl.training.batch import MicroBatch, TrainBatch, make_micro_batches
+from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
+from megatron_rl.training.pipeline import run_micro_batches
+from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def pipeline_ready(cfg: ModelConfig, pipeline_size: int) -> ModelConfig:
+    """Let pipeline stages exchange each micro-batch's shape (``variable_seq_lengths``), so every
+    micro-batch is padded only to its own length. Megatron refuses the flag with the MoE ``allgather``
+    dispatcher (a config check, which also fires for dense models, whose dispatcher setting is unused):
+    dense models get ``alltoall`` to pass it; MoE ``allgather`` models keep fixed-length micro-batches."""
+    if pipeline_size == 1:
+        return cfg
+    is_moe = load_arch(cfg.hf_path).is_moe
+    if is_moe and cfg.moe_dispatcher != "alltoall":
+        return cfg
+    ours = {"variable_seq_lengths": True} if is_moe else {"variable_seq_lengths": True,
+                                                           "moe_token_dispatcher_type": "alltoall"}
+    return dataclasses.replace(cfg, transformer_overrides={**ours, **cfg.transformer_overrides})
+
+
+class PolicyTrainer:
+    """Model, DDP wrapper, optimizer, LR schedule and step counter of one rank.
+
+    Without ``optim`` the trainer is forward-only (e.g. a reference policy for ``ref_logprobs``).
+    """
+
+    def __init__(self, model: ModelConfig, train: TrainConfig, groups: ParallelGroups,
+                 optim: Optional[OptimConfig] = None, *, load_weights: bool = True) -> None:
+        from megatron.core import parallel_state as ps
+
+        if groups.layout.cp > 1:
+            raise ValueError("context parallelism is not supported by the trainer yet (its micro-batches are not "
+                             "split over CP ranks); use cp=1")
+        self.cfg, self.optim_cfg, self.groups = train, optim, groups
+        pp = groups.layout.pp
+        self.built: BuiltModel = build_model(pipeline_ready(model, pp), groups, load_weights=load_weights)
+        tc = self.built.tconfig
+        self._same_length = pp > 1 and not tc.variable_seq_lengths
+        sp = tc.sequence_parallel and groups.layout.tp > 1
+        self._pad_multiple = math.lcm(train.pad_to_multiple, groups.layout.tp if sp else 1)
+        self._mp_group = ps.get_model_parallel_group()  # read once, at the edge
+        self._moe_layers = [i for i, m in enumerate(self.built.arch.moe_layers) if m]
+        if train.routing_replay and not (self.built.arch.is_moe and tc.moe_enable_routing_replay):
+            raise ValueError("train.routing_replay needs an MoE model built with ModelConfig.routing_replay=True")
+        self.ref: Optional[BuiltModel] = None
+        if train.reference_model is not None:
+            self.ref = build_model(pipeline_ready(train.reference_model, pp), groups)
+            self.ref.module.eval()
+            self.ref.module.requires_grad_(False)
+            if self.ref.padded_vocab_size != self.built.padded_vocab_size:
+                raise ValueError(f"reference model vocabulary ({self.ref.vocab_size}) differs from the policy's "
+                                 f"({self.built.vocab_size})")
+        self.ddp = self.optimizer = self.schedule = None
+        if optim is not None:
+            self.ddp, self.optimizer = build_ddp_and_optimizer(self.built.module, tc, optim)
+            self.schedule = LRSchedule(optim.schedule)
+        self.step = 0  # successful optimizer steps
+        self.skipped_steps = 0
+        self.lr: Optional[float] = None
+
+    # ------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------
+    @property
+    def module(self):
+        """This rank's GPTModel stage (unwrapped)."""
+        return self.built.module
+
+    @torch.no_grad()
+    def forward(self, batch: TrainBatch) -> ForwardResult:
+        """Forward-only pass: per-response-token log-prob, entropy and Σπ² (plus DVP / reference-KL fields)
+        of the current weights, on every rank of this data-parallel replica."""
+        mbs = self._micro_batches(batch)
+        ref = self._reference_logits(mbs)
+        payloads = self._stats_pass(mbs, ref)
+        return self._assemble(batch, mbs, payloads)
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One optimizer step on this replica's batch (collective over the whole job)."""
+        if self.optimizer is None:
+            raise ValueError("this PolicyTrainer was built without an OptimConfig: it can only run forward()")
+        cfg, groups = self.cfg, self.groups
+        if batch.advantages is None:
+            raise ValueError("train_step needs TrainBatch.advantages (per-token [B, R])")
+        if cfg.objective.policy.mode == "decoupled" and batch.old_logprobs is None:
+            raise ValueError("policy.mode='decoupled' needs TrainBatch.old_logprobs: run trainer.forward(batch) first "
+                             "and pass batch.replace(old_logprobs=result.logprobs), or use policy.mode='bypass'")
+        mbs = self._micro_batches(batch)
+        self._check_same_count_over_dp(len(mbs))
+        lr_before = self.lr
+        lr, schedule_before = self._begin_lr(batch)
+        ref = self._reference_logits(mbs)
+        reduce_groups = ReduceGroups(dp=groups.dp)
+        normalizer = self._step_normalizer(mbs, ref, reduce_groups)
+        # Megatron divides by M and DDP by dp*cp: see the module docstring.
+        scale = len(mbs) * dist.get_world_size(groups.dp_cp) / groups.layout.cp
+
+        def loss_fn(logits, mb: MicroBatch, k: int):
+            loss, metrics, bad = loss_glue.micro_batch_loss(
+                logits, mb, cfg, tp_group=groups.tp, vocab_size=self.built.vocab_size, groups=reduce_groups,
+                normalizer=normalizer, ref_logits=None if ref is None else ref[k])
+            payload = {"loss": float(loss.detach()), "nonfinite": int(bad),
+                       "metrics": {n: float(v) for n, v in metrics.items()}}
+            return loss * scale, payload
+
+        zero_grads(self.ddp, self.optimizer)
+        self.ddp.train()
+        with self._routing() as set_routes:
+            payloads = run_micro_batches(self.ddp, mbs, loss_fn, forward_only=False, before_forward=set_routes)
+        loss, n_bad = self._step_loss(payloads)
+        applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad,
+                                          math.isfinite(loss) and n_bad == 0)
+        if applied:
+            self.step += 1
+        else:
+            # Nothing moved: weights, optimizer state and the LR schedule stay as they were.
+            self.schedule.load_state_dict(schedule_before)
+            self.lr = lr_before
+            zero_grads(self.ddp, self.optimizer)
+            self.skipped_steps += 1
+            if dist.get_rank() == 0:
+                logger.warning("step %d skipped: non-finite loss or gradient (grad norm %s); %d step(s) skipped so far",
+                               self.step, grad_norm, self.skipped_steps)
+        metrics = None
+        if self.built.post_process:
+            metrics = merge_micro_batch_metrics([p["metrics"] for p in payloads])
+            metrics["train/nonfinite_policy_tokens"] = float(n_bad)
+        loss, metrics = self._from_last_stage((loss, metrics))
+        metrics["train/skipped_steps"] = float(self.skipped_steps)
+        return StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not applied,
+                          skipped_steps=self.skipped_steps, metrics=metrics)
+
+    def _step_normalizer(self, mbs: List[MicroBatch], ref, reduce_groups: ReduceGroups):
+        """The step's Normalizer (last stage; None elsewhere), from every micro-batch's selection. Needs a
+        forward pass of the current policy only when the selection reads it (all stages take part)."""
+        cfg = self.cfg
+        current = self._stats_pass(mbs, ref) if loss_glue.normalizer_needs_current_policy(cfg) else None
+        if not self.built.post_process:
+            return None
+        records = [loss_glue.normalizer_inputs(mb, cfg, current[k] if current else None) for k, mb in enumerate(mbs)]
+        return step_normalizer(records, cfg.objective, reduce_groups)
+
+    def _step_loss(self, payloads):
+        """``(step loss, non-finite policy tokens)``, summed over micro-batches and DP (last stage; 0
+        elsewhere: the skip decision is all-reduced in :func:`guarded_step`)."""
+        if not self.built.post_process:
+            return 0.0, 0
+        t = torch.tensor([sum(p["loss"] for p in payloads), sum(p["nonfinite"] for p in payloads)], dtype=torch.float64)
+        self._all_reduce(t, dist.ReduceOp.SUM, self.groups.dp)
+        return float(t[0]), int(t[1])
+
+    # ------------------------------------------------------------------------------------------
+    # Batches
+    # ------------------------------------------------------------------------------------------
+    def _micro_batches(self, batch: TrainBatch) -> List[MicroBatch]:
+        if not isinstance(batch, TrainBatch):
+            raise ValueError(f"expected a TrainBatch, got {type(batch).__name__}")
+        self._check_batch(batch)
+        return make_micro_batches(batch, self.cfg.micro_batch_size, pad_multiple=self._pad_multiple,
+                                  group_by_length=self.cfg.group_by_length, same_length=self._same_length)
+
+    def _check_batch(self, batch: TrainBatch) -> None:
+        arch = self.built.arch
+        lengths = batch.seq_lengths
+        longest = int(lengths.max()) if batch.batch_size else 0
+        if longest > arch.max_position_embeddings:
+            raise ValueError(f"a sequence of {longest} tokens exceeds the model's max_position_embeddings="
+                             f"{arch.max_position_embeddings}; truncate or filter long samples")
+        inside = torch.arange(batch.input_ids.shape[1])[None, :] < lengths[:, None]
+        ids = batch.input_ids[inside]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.built.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.built.vocab_size}); got [{int(ids.min())}, "
+                             f"{int(ids.max())}]")
+        if self.cfg.routing_replay:
+            re = batch.routed_experts
+            if re is None:
+                raise ValueError("train.routing_replay=True but TrainBatch.routed_experts is None")
+            want = (len(self._moe_layers), arch.moe_topk)
+            if tuple(re.shape[2:]) != want:
+                raise ValueError(f"TrainBatch.routed_experts: expected [B, L, {want[0]} MoE layers, topk={want[1]}], "
+                                 f"got {tuple(re.shape)}")
+        # All TP/PP ranks of a replica must feed the same batch (else: hangs or silent garbage).
+        sums = [batch.batch_size, batch.input_ids.shape[1], int(ids.sum()), int(lengths.sum()),
+                int(batch.response_mask.sum())]
+        t = torch.tensor(sums + [-v for v in sums], dtype=torch.int64)
+        self._all_reduce(t, dist.ReduceOp.MAX, self._mp_group)
+        if t[: len(sums)].tolist() != [-v for v in t[len(sums):].tolist()]:
+            raise ValueError("the tensor/pipeline-parallel ranks of one data-parallel replica were given different "
+                             "batches; every rank of a replica must receive the same TrainBatch")
+
+    def _check_same_count_over_dp(self, count: int) -> None:
+        t = torch.tensor([count, -count], dtype=torch.int64)
+        self._all_reduce(t, dist.ReduceOp.MAX, self.groups.dp)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(f"data-parallel ranks have between {-int(t[1])} and {int(t[0])} micro-batches; every rank "
+                             "needs the same number (equal per-rank batch sizes)")
+
+    @staticmethod
+    def _all_reduce(t: torch.Tensor, op, group) -> None:
+        if dist.get_world_size(group) > 1:
+            if dist.get_backend(group) == "nccl":
+                moved = t.cuda()
+                dist.all_reduce(moved, op=op, group=group)
+                t.copy_(moved.cpu())
+            else:
+                dist.all_reduce(t, op=op, group=group)
+
+    # ------------------------------------------------------------------------------------------
+    # Passes
+    # ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _routing(self):
+        """Yields the per-micro-batch hook that feeds the rollout's expert ids to the routers (or None)."""
+        if not self.cfg.routing_replay:
+            yield None
+            return
+        from megatron_rl.models.router import replay_routing, tokens_from_batch_major
+
+        with replay_routing(self.built) as replayer:
+            def set_routes(mb: MicroBatch) -> None:
+                replayer.set({layer: tokens_from_batch_major(mb.routed_experts[:, :, i])
+                              for i, layer in enumerate(self._moe_layers)})
+            yield set_routes
+
+    @torch.no_grad()
+    def _reference_logits(self, mbs: List[MicroBatch]) -> Optional[List[torch.Tensor]]:
+        """Reference logits ``[b, s, V_local]`` of every micro-batch (last stage; empty list elsewhere)."""
+        if self.ref is None:
+            return None
+        return run_micro_batches(self.ref.module, mbs, lambda logits, mb, k: (logits.new_zeros(()), logits.detach()),
+                                 forward_only=True)
+
+    @torch.no_grad()
+    def _stats_pass(self, mbs: List[MicroBatch], ref) -> List[Dict[str, torch.Tensor]]:
+        """Forward-only token statistics of every micro-batch (last stage; empty list elsewhere)."""
+        cfg, groups = self.cfg, self.groups
+
+        def loss_fn(logits, mb: MicroBatch, k: int):
+            st = loss_glue.token_stats(logits, mb, cfg, tp_group=groups.tp, vocab_size=self.built.vocab_size,
+                                       ref_logits=None if ref is None else ref[k])
+            return logits.new_zeros(()), st.detached()
+
+        stage = self.ddp if self.ddp is not None else self.built.module
+        stage.eval()
+        with self._routing() as set_routes:
+            return run_micro_batches(stage, mbs, loss_fn, forward_only=True, before_forward=set_routes)
+
+    def _result_keys(self) -> List[str]:
+        keys = ["logprobs", "entropy", "sum_pi_squared"]
+        if self.cfg.objective.dvp.enabled:
+            keys += ["full_logprobs", "kept_mass", "target_kept"]
+        if self.ref is not None:
+            keys.append("ref_kl")
+        return keys
+
+    def _assemble(self, batch: TrainBatch, mbs: List[MicroBatch], payloads) -> ForwardResult:
+        keys = self._result_keys()
+        B, R = batch.response_mask.shape
+        buf = torch.zeros(len(keys), B, R, dtype=torch.float32)
+        for mb, stats in zip(mbs, payloads):
+            r = mb.response_mask.shape[1]
+            for i, key in enumerate(keys):
+                buf[i, mb.rows, :r] = stats[key].float().cpu()
+        buf = torch.where(batch.response_mask, buf, torch.zeros((), dtype=buf.dtype))
+        pp = self.groups.layout.pp
+        if pp > 1:  # the last stage computed it: give it to every stage of the replica
+            src = dist.get_global_rank(self.groups.pp, pp - 1)
+            moved = buf.cuda() if dist.get_backend(self.groups.pp) == "nccl" else buf
+            dist.broadcast(moved, src=src, group=self.groups.pp)
+            buf = moved.cpu()
+        fields = dict(zip(keys, buf))
+        if "target_kept" in fields:
+            fields["target_kept"] = fields["target_kept"] > 0.5
+        return ForwardResult(response_mask=batch.response_mask, **fields)
+
+    def _from_last_stage(self, obj):
+        pp = self.groups.layout.pp
+        if pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.pp, pp - 1), group=self.groups.pp)
+        return box[0]
+
+    # ------------------------------------------------------------------------------------------
+    # Learning rate
+    # ------------------------------------------------------------------------------------------
+    def _begin_lr(self, batch: TrainBatch):
+        """Step the schedule with this step's global mean response length and push the LR into the
+        optimizer. Returns ``(lr, schedule state before the step)`` so a skipped step can undo it."""
+        before = copy.deepcopy(self.schedule.state_dict())
+        length = global_mean_response_length(batch.response_mask, self.groups.dp)  # identical on all ranks
+        lr = self.schedule.step(length)
+        lr = broadcast_scalar(lr, dist.group.WORLD)  # computed everywhere; rank 0's value is the one used
+        set_lr(self.optimizer, lr)
+        self.lr = lr
+        return lr, before

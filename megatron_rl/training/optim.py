@@ -1,0 +1,92 @@
+"""Megatron DDP + optimizer construction, and the guarded optimizer step (skip on non-finite).
+
+The step is split the way Megatron's own ``optimizer.step()`` is split internally
+(``prepare_grads`` -> grad norm -> clip -> ``step_with_ready_grads``) so that the decision to skip can
+include the loss, taken on the last pipeline stage, and is made identically on every rank with one
+all-reduce. A skipped step never reaches ``step_with_ready_grads``: parameters and optimizer state
+(moments, step counts) stay bitwise unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.training.config import OptimConfig
+
+
+def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):
+    """Wrap ``module`` (this rank's GPTModel stage) in Megatron DDP and build the Megatron optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_cfg = DistributedDataParallelConfig(
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        grad_reduce_in_fp32=True,  # bf16 models still accumulate and reduce gradients in fp32
+        overlap_grad_reduce=False,
+        average_in_collective=False,
+    )
+    ddp = DistributedDataParallel(tconfig, ddp_cfg, module)
+    # Data-parallel all-reduce / reduce-scatter, SP norm and tied-embedding grads, once per schedule.
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        bf16=tconfig.bf16,
+        fp16=tconfig.fp16,
+        params_dtype=tconfig.params_dtype,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=not torch.cuda.is_available())
+    if tconfig.fp16:
+        tconfig.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling of the fp16 optimizer
+    return ddp, optimizer
+
+
+def _leaf_optimizers(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _clip(optimizer, max_norm: float, total_norm: float) -> None:
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in _leaf_optimizers(optimizer):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+
+def guarded_step(optimizer, clip_grad: float, loss_is_finite: bool) -> Tuple[bool, float]:
+    """Prepare gradients, compute the global grad norm, and step unless anything is non-finite.
+
+    Collective over the whole job (call it on every rank). ``loss_is_finite`` is this rank's verdict on
+    the loss (ranks without a loss pass True). Returns ``(applied, grad_norm before clipping)``.
+    """
+    found_inf = optimizer.prepare_grads()  # fp16: unscales, checks for inf; fp32: grads into place
+    grad_norm = float(optimizer.get_grad_norm())
+    bad = torch.tensor([0.0 if loss_is_finite else 1.0, float(found_inf), 0.0 if math.isfinite(grad_norm) else 1.0])
+    if dist.get_backend() == "nccl":
+        bad = bad.cuda()
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bool(bad.any()):
+        return False, grad_norm
+    if clip_grad > 0:
+        _clip(optimizer, clip_grad, grad_norm)
+    optimizer.step_with_ready_grads()
+    return True, grad_norm
+
+
+def zero_grads(ddp, optimizer) -> None:
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()

@@ -1,0 +1,63 @@
+"""Run micro-batches through Megatron's pipeline schedules (``get_forward_backward_func``).
+
+One function, :func:`run_micro_batches`, used by every pass of the trainer (train step, forward-only
+log-probs, reference logits). The caller's ``loss_fn(logits, micro_batch, index)`` runs on the last
+pipeline stage and returns ``(loss, payload)``; payloads come back in micro-batch order on the last
+stage (an empty list elsewhere).
+
+Megatron's schedule treats the loss like this (``forward_step_calc_loss``, two-value loss functions):
+``loss * cp_size / num_microbatches`` is back-propagated, and DDP then multiplies the summed gradient
+by ``1 / (dp * cp)``. The train step compensates with its own factor (see
+:mod:`megatron_rl.training.engine`); this module does not scale anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_rl.training.batch import MicroBatch
+
+Tensor = torch.Tensor
+LossFn = Callable[[Tensor, MicroBatch, int], Tuple[Tensor, Any]]
+
+
+def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool,
+                      before_forward: Optional[Callable[[MicroBatch], None]] = None) -> List[Any]:
+    """Forward (and unless ``forward_only`` backward) every micro-batch through ``model``'s pipeline.
+
+    ``model`` is this rank's stage (a GPTModel or its DDP wrapper). ``before_forward(mb)`` runs on every
+    stage right before each micro-batch's forward (e.g. to set the routing-replay ids).
+    Gradients accumulate into the DDP buffers; ``finalize_model_grads`` (set on the model config) runs
+    once at the end of a backward schedule.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    items = iter(enumerate(micro_batches))
+
+    def forward_step(data_iterator, stage):
+        k, mb = next(data_iterator)
+        if before_forward is not None:
+            before_forward(mb)
+        out = stage(mb.input_ids, mb.position_ids, attention_mask=None)  # causal; right padding is harmless
+
+        def loss_func(logits: Tensor):
+            loss, payload = loss_fn(logits, mb, k)
+            # The schedule divides the returned loss in place: never hand it a tensor the payload shares.
+            return loss.clone() if forward_only else loss, payload
+
+        return out, loss_func
+
+    longest = max(mb.seq_length for mb in micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=items,
+        model=[model],
+        num_microbatches=len(micro_batches),
+        # Used for the p2p buffers only when all micro-batches share one length (fixed-shape pipelines);
+        # with variable_seq_lengths the stages exchange each micro-batch's shape.
+        seq_length=longest,
+        micro_batch_size=micro_batches[0].size,
+        forward_only=forward_only,
+    )
