@@ -12,9 +12,14 @@ rank routes only its contiguous ``s/TP`` slice: recording gathers the full seque
 replay takes full-sequence ids and slices them. Layers are identified by their global (0-based)
 index; with pipeline parallelism a rank only sees its stage's MoE layers.
 
-Replay (``REPLAY_FORWARD``) takes the router's scores *at the given ids*, so gradients reach the
-router weight through the chosen experts' gate probabilities. Not handled yet: activation recompute
-of MoE layers, which needs ``RouterReplayAction.REPLAY_BACKWARD`` during the backward pass.
+Replay takes the router's scores *at the given ids*, so gradients reach the router weight through the
+chosen experts' gate probabilities. A row of ``-1`` (:data:`FREE`) leaves that token to the model's
+own router (e.g. the last response token, whose routing SGLang never computes). With activation
+recompute the recomputed forward (run inside autograd's backward) replays the ids of the original
+forward, popped in forward order (Megatron's ``REPLAY_BACKWARD`` queue semantics); every forward in a
+replay block must then be a training forward followed by its backward, as in the pipeline schedules.
+``replay_routing(..., shadow=True)`` also records the experts the model's own router would have
+chosen for the same inputs (the "shadow" routing, for agreement metrics), at no extra forward.
 
 Example::
 
@@ -54,11 +59,21 @@ def tokens_to_batch_major(ids: torch.Tensor, batch_size: int) -> torch.Tensor:
     return ids.reshape(-1, batch_size, ids.shape[-1]).transpose(0, 1)
 
 
+FREE = -1  # a whole row of FREE: no target for this token, the model's router decides
+
+
+def _in_backward() -> bool:
+    """True inside autograd's backward pass (where activation recompute re-runs forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _replays(built: BuiltModel):
     if not built.arch.is_moe:
         raise ValueError(f"routing access needs an MoE model; {built.arch.model_type!r} is dense")
     if not built.tconfig.moe_enable_routing_replay:
         raise ValueError("the model was built without routing replay: set ModelConfig.routing_replay=True")
+    if getattr(built.tconfig, "moe_router_fusion", False):
+        raise ValueError("the fused (Transformer Engine) router bypasses routing replay: set moe_router_fusion=False")
     return [(i, r, r.router_replay) for i, r in moe_routers(built)]
 
 
@@ -114,6 +129,8 @@ def record_routing(built: BuiltModel, *, gather_sequence_parallel: bool = True) 
 
     def hook_for(layer: int, router) -> callable:
         def after_forward(_module, _inputs, _outputs) -> None:
+            if _in_backward():  # an activation-recompute forward: already recorded
+                return
             ids = router.router_replay.get_recorded_indices().detach()
             if sp is not None:
                 parts = [torch.empty_like(ids) for _ in range(sp.size)]
@@ -131,67 +148,127 @@ def record_routing(built: BuiltModel, *, gather_sequence_parallel: bool = True) 
 
 
 class RoutingReplayer:
-    """Feeds target expert ids to the routers; call :meth:`set` before each micro-batch forward."""
+    """Feeds target expert ids to the routers; call :meth:`set` before each micro-batch forward.
 
-    def __init__(self, built: BuiltModel) -> None:
+    ``shadow`` (with ``replay_routing(..., shadow=True)``): the experts each router would have chosen
+    itself in the replayed forwards, one ``[tokens, topk]`` entry per forward (recomputes excluded).
+    """
+
+    def __init__(self, built: BuiltModel, shadow: bool = False) -> None:
         self._built = built
         self._routers = _replays(built)
         self._sp = _sp_axis(built)
+        self._recompute = built.tconfig.recompute_granularity is not None
+        self.shadow: Optional[RoutingRecord] = RoutingRecord() if shadow else None
+        self._target: Dict[int, Optional[Tuple[torch.Tensor, bool]]] = {i: None for i, _, _ in self._routers}
+        self._queue: Dict[int, List[Tuple[torch.Tensor, bool]]] = {i: [] for i, _, _ in self._routers}
 
     def set(self, topk_ids: Mapping[int, torch.Tensor]) -> None:
-        """``{global layer: [tokens, topk]}`` for (at least) every local MoE layer, full sequence."""
+        """``{global layer: [tokens, topk]}`` for (at least) every local MoE layer, full sequence; rows of
+        :data:`FREE` leave the token to the model's own router."""
         missing = [i for i, _, _ in self._routers if i not in topk_ids]
         if missing:
             raise ValueError(f"routing replay: no expert ids for MoE layer(s) {missing} of this stage")
         arch = self._built.arch
-        for layer, _, replay in self._routers:
+        for layer, _, _ in self._routers:
             ids = torch.as_tensor(topk_ids[layer])
             if ids.dim() != 2 or ids.shape[1] != arch.moe_topk:
                 raise ValueError(
                     f"routing replay, layer {layer}: expected [tokens, topk={arch.moe_topk}], got {tuple(ids.shape)}"
                 )
-            if ids.numel() and (ids.min() < 0 or ids.max() >= arch.num_experts):
-                raise ValueError(f"routing replay, layer {layer}: expert ids outside [0, {arch.num_experts})")
+            check_expert_ids(ids, arch.num_experts, f"routing replay, layer {layer}")
             if self._sp is not None:
                 if ids.shape[0] % self._sp.size:
                     raise ValueError(
                         f"routing replay, layer {layer}: {ids.shape[0]} tokens do not split over TP={self._sp.size}"
                     )
                 ids = ids.chunk(self._sp.size)[self._sp.rank]
-            replay.set_target_indices(ids.long())
+            self._target[layer] = (ids.long(), bool((ids[:, 0] == FREE).any()) if ids.numel() else False)
+
+    def _topk_for(self, layer: int):
+        sp_size = self._sp.size if self._sp is not None else 1
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if _in_backward():  # activation recompute: the ids of the matching original forward
+                if not self._queue[layer]:
+                    raise RuntimeError(f"routing replay, layer {layer}: a recomputed forward has no recorded ids")
+                ids, has_free = self._queue[layer].pop(0)
+                recompute = True
+            else:
+                target = self._target[layer]
+                if target is None:
+                    raise ValueError(f"routing replay: layer {layer} ran without target expert ids (call set())")
+                ids, has_free = target
+                recompute = False
+                if self._recompute:
+                    self._queue[layer].append(target)
+            if ids.shape[0] != scores.shape[0]:
+                # Counts in full-sequence terms (each sequence-parallel rank holds 1/sp_size of them).
+                raise ValueError(
+                    f"routing replay, layer {layer}: {ids.shape[0] * sp_size} tokens of expert ids but the "
+                    f"model routes {scores.shape[0] * sp_size} (ids must be [s*b, topk], sequence-major, full sequence)"
+                )
+            ids = ids.to(scores.device)
+            want_shadow = self.shadow is not None and not recompute
+            if has_free or want_shadow:
+                with torch.no_grad():
+                    own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)[1]
+                if has_free:
+                    ids = torch.where(ids[:, :1] == FREE, own, ids)
+                if want_shadow:
+                    self.shadow.calls.setdefault(layer, []).append(self._gathered(own))
+            return scores.gather(1, ids), ids
+
+        return get_replay_topk
+
+    def _gathered(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.detach()
+        if self._sp is not None:
+            parts = [torch.empty_like(ids) for _ in range(self._sp.size)]
+            dist.all_gather(parts, ids.contiguous(), group=self._sp.group)
+            ids = torch.cat(parts)
+        return ids.clone()
 
 
-def _check_alignment(layer: int, router, sp_size: int):
-    def before_forward(_module, args, kwargs=None) -> None:
-        hidden = args[0]
-        tokens = hidden.numel() // hidden.shape[-1]
-        target = router.router_replay.target_topk_idx
-        if target is None:
-            raise ValueError(f"routing replay: layer {layer} ran without target expert ids (call set())")
-        if target.shape[0] != tokens:
-            # Counts in full-sequence terms (each sequence-parallel rank holds 1/sp_size of them).
-            raise ValueError(
-                f"routing replay, layer {layer}: {target.shape[0] * sp_size} tokens of expert ids but the "
-                f"model routes {tokens * sp_size} (ids must be [s*b, topk], sequence-major, full sequence)"
-            )
-
-    return lambda: router.register_forward_pre_hook(before_forward)
+def check_expert_ids(ids: torch.Tensor, num_experts: int, where: str) -> None:
+    """``[tokens, topk]`` ids: each row is :data:`FREE` throughout, or ``topk`` distinct ids in
+    ``[0, num_experts)``; ValueError naming the first bad row otherwise."""
+    if not ids.numel():
+        return
+    free = (ids == FREE).all(-1)
+    bad = ~free & ((ids < 0) | (ids >= num_experts)).any(-1)
+    if bad.any():
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{where}: token {t} has expert ids {ids[t].tolist()} outside [0, {num_experts}) "
+                         f"(a row of all {FREE} marks a token without routing)")
+    srt = ids.sort(-1).values
+    dup = ~free & (srt[:, 1:] == srt[:, :-1]).any(-1)
+    if dup.any():
+        t = int(dup.nonzero()[0, 0])
+        raise ValueError(f"{where}: token {t} has repeated expert ids {ids[t].tolist()} (top-k ids must be distinct)")
 
 
 @contextlib.contextmanager
-def replay_routing(built: BuiltModel, topk_ids: Optional[Mapping[int, torch.Tensor]] = None) -> Iterator[RoutingReplayer]:
+def replay_routing(built: BuiltModel, topk_ids: Optional[Mapping[int, torch.Tensor]] = None, *,
+                   shadow: bool = False) -> Iterator[RoutingReplayer]:
     """Force the routers to the given expert ids during the forwards in the block.
 
     ``topk_ids`` (``{global layer: [tokens, topk]}``) is set at once if given; with several
     micro-batches call ``replayer.set(...)`` before each forward instead. A token-count mismatch
-    between the ids and the router's input raises ValueError.
+    between the ids and the router's input raises ValueError. ``shadow``: also record each router's own
+    choice (``replayer.shadow``).
     """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    sp = _sp_axis(built)
-    hooks = [_check_alignment(i, r, sp.size if sp else 1) for i, r, _ in _replays(built)]
-    with _action(built, RouterReplayAction.REPLAY_FORWARD, hooks):
-        replayer = RoutingReplayer(built)
-        if topk_ids is not None:
-            replayer.set(topk_ids)
-        yield replayer
+    replayer = RoutingReplayer(built, shadow=shadow)
+    for layer, _, replay in replayer._routers:
+        replay.get_replay_topk = replayer._topk_for(layer)  # instance attribute: shadows the method
+    try:
+        with _action(built, RouterReplayAction.REPLAY_FORWARD, []):
+            if topk_ids is not None:
+                replayer.set(topk_ids)
+            yield replayer
+    finally:
+        for _, _, replay in replayer._routers:
+            if "get_replay_topk" in vars(replay):
+                del replay.get_replay_topk

@@ -9,6 +9,7 @@ Entry point: :func:`rl_loss` ``(LossInputs, ObjectiveConfig, ReduceGroups, Norma
   policy_loss.py        PPO clip (asymmetric, dual clip), GSPO, REINFORCE; decoupled and bypass modes
   rollout_correction.py truncated / masked IS (token, sequence), k1/k2/k3 rejection rules (AND), presets
   trm.py, trm_bounds.py Trust Region Masking and the paper's bounds
+  routing_mask.py       MoE routing-aware masking (trainer vs rollout expert choices)
   dvp.py                Dynamic Vocabulary Pruning: safe-set rules as vocab-parallel autograd Functions
   dense_kl.py           dense imitation gradient and the future-KL cost-to-go
   kl_penalty.py         KL penalties (in reward or loss) and the entropy bonus
@@ -28,6 +29,7 @@ from megatron_rl.objectives.policy_loss import PolicyLossConfig
 from megatron_rl.objectives.records import LossInputs
 from megatron_rl.objectives.reduce import ReduceGroups
 from megatron_rl.objectives.rollout_correction import PRESETS, RejectionRule, RolloutCorrectionConfig
+from megatron_rl.objectives.routing_mask import RoutingMaskConfig
 from megatron_rl.objectives.selection import Selection, select_tokens
 from megatron_rl.objectives.trm import TRMConfig, exact_rollout_kl
 from megatron_rl.objectives.trm_bounds import TRMBounds, trm_bounds
@@ -35,7 +37,8 @@ from megatron_rl.objectives.trm_bounds import TRMBounds, trm_bounds
 __all__ = [
     "AggregationConfig", "DVPConfig", "DenseKLConfig", "EntropyBonusConfig", "KLPenaltyConfig", "LossInputs",
     "Normalizer", "ObjectiveConfig", "PRESETS", "PolicyLossConfig", "PrunedStats", "ReduceGroups", "RejectionRule",
-    "RolloutCorrectionConfig", "Selection", "TRMBounds", "TRMConfig", "add_future_kl_cost", "dense_kl_per_token",
+    "RolloutCorrectionConfig", "RoutingMaskConfig", "Selection", "TRMBounds", "TRMConfig", "add_future_kl_cost",
+    "dense_kl_per_token",
     "exact_rollout_kl", "future_kl_cost_to_go", "kl_in_reward", "kl_per_token", "pruned_token_stats", "rl_loss",
     "select_tokens", "step_normalizer", "trm_bounds",
 ]

@@ -11,6 +11,7 @@ from megatron_rl.objectives.dvp import DVPConfig
 from megatron_rl.objectives.kl_penalty import EntropyBonusConfig, KLPenaltyConfig
 from megatron_rl.objectives.policy_loss import PolicyLossConfig
 from megatron_rl.objectives.rollout_correction import RolloutCorrectionConfig
+from megatron_rl.objectives.routing_mask import RoutingMaskConfig
 from megatron_rl.objectives.trm import TRMConfig
 
 
@@ -24,6 +25,7 @@ class ObjectiveConfig:
     kl_penalty: KLPenaltyConfig = field(default_factory=KLPenaltyConfig)
     dense_kl: DenseKLConfig = field(default_factory=DenseKLConfig)
     entropy: EntropyBonusConfig = field(default_factory=EntropyBonusConfig)
+    routing_mask: RoutingMaskConfig = field(default_factory=RoutingMaskConfig)
 
     def __post_init__(self) -> None:
         p = self.policy

@@ -7,7 +7,8 @@ population is empty on every rank is omitted (verl raises there; we return fewer
 
 Metric names (each present only when its inputs are):
 
-* ``mismatch/``: ``k1``, ``k3`` (the "vllm-kl"), ``chi2_token``, ``max_k2``, ``max_exact_kl`` (max token
+* ``mismatch/``: ``k1``, ``k3`` (the "vllm-kl"), ``abs_diff`` (mean |log π_a − log μ|),
+  ``chi2_token``, ``max_k2``, ``max_exact_kl`` (max token
   divergence), per sequence ``chi2_seq``, ``log_ppl_abs_diff``, ``ppl_ratio`` (PPL_a / PPL_μ),
   ``seq_k3_sum`` (D^seq_KL estimate) — over *valid* tokens, before rejection;
 * ``correction/``: ``seq_acceptance``, ``token_keep_frac``, ``rejected/<rule>``;
@@ -18,6 +19,8 @@ Metric names (each present only when its inputs are):
   bound and ε from TV only on the exact path; on the sample path they are estimates, not guarantees);
 * ``dvp/``: ``kept_mass`` (Z_K), ``pruned_mass`` (1 − Z_K, the bias), ``pruned_mass_per_seq``,
   ``target_outside_frac``;
+* ``routing_mask/``: ``disagreement`` (token mean of ``routing_disagreement``), ``seq_disagreement``,
+  ``token_keep_frac`` or ``seq_acceptance`` (by level);
 * ``policy/``: ``clip_frac``, ``clip_frac_high``, ``clip_frac_low``, ``dual_clip_frac``,
   ``approx_kl_k1``, ``approx_kl_k3``;
 * ``loss/``: the step-global value of each term; ``tokens/``: ``valid``, ``kept``, ``nonfinite``;
@@ -121,6 +124,7 @@ def objective_metrics(sel, term, is_scale: Tensor, parts: Dict[str, Tensor], cfg
         lr, st = sel.log_ratio, sel.stats
         mb.token_mean("mismatch/k1", -lr, valid)
         mb.token_mean("mismatch/k3", k3(lr), valid)
+        mb.token_mean("mismatch/abs_diff", lr.abs(), valid)
         mb.token_mean("mismatch/_exp2", torch.exp(2 * lr), valid)
         mb.max("mismatch/max_k2", st.max_k2, seq_nonempty)
         mb.seq_mean("mismatch/_exp2_seq", torch.exp(2 * clamp_log_ratio(st.sum_log_ratio)), seq_nonempty)
@@ -131,10 +135,19 @@ def objective_metrics(sel, term, is_scale: Tensor, parts: Dict[str, Tensor], cfg
         mb.max("mismatch/max_exact_kl", sel.stats.max_exact, seq_nonempty)
         mb.token_mean("mismatch/exact_kl", x.rollout_kl, valid)
 
-    if sel.correction is not None or sel.trm is not None or sel.dvp_keep is not None:
+    if sel.routing is not None:
+        r = sel.routing
+        mb.token_mean("routing_mask/disagreement", x.routing_disagreement, valid)
+        mb.seq_mean("routing_mask/seq_disagreement", r.seq_disagreement, r.nonempty)
+        if cfg.routing_mask.level == "token":
+            mb.token_mean("routing_mask/token_keep_frac", r.token_keep.double(), valid)
+        else:
+            mb.seq_mean("routing_mask/seq_acceptance", r.seq_keep.double(), r.nonempty)
+    if sel.correction is not None or sel.trm is not None or sel.dvp_keep is not None or sel.routing is not None:
         mb.token_mean("correction/token_keep_frac", keep.double(), valid)
-        if seq_nonempty is not None:
-            mb.seq_mean("correction/seq_acceptance", sel.seq_keep.double(), seq_nonempty)
+        nonempty = seq_nonempty if seq_nonempty is not None else (sel.routing.nonempty if sel.routing else None)
+        if nonempty is not None:
+            mb.seq_mean("correction/seq_acceptance", sel.seq_keep.double(), nonempty)
     if sel.correction is not None:
         c = sel.correction
         for rule, rejected in c.rejected_by.items():

@@ -20,7 +20,7 @@ Tensor = torch.Tensor
 
 # Float per-token fields checked for non-finite values at valid positions (math_spec §1.4).
 _FLOAT_FIELDS = ("logprobs", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy",
-                 "sum_pi_squared", "rollout_kl", "rollout_tv", "ref_kl", "kept_mass")
+                 "sum_pi_squared", "rollout_kl", "rollout_tv", "ref_kl", "kept_mass", "routing_disagreement")
 
 
 @dataclass
@@ -50,6 +50,9 @@ class LossInputs:
             imitation term (``ops.vocab_parallel_kl(logits, ref_logits)``).
         kept_mass: DVP kept mass Z_K of the trainer's safe set (no grad).
         target_kept: DVP: whether y_t lies in the trainer's safe set K (bool).
+        routing_disagreement: MoE: fraction of MoE layers whose top-k expert set at the position predicting
+            y_t differs between the trainer and the rollout engine (no grad), for
+            ``ObjectiveConfig.routing_mask``.
     """
 
     logprobs: Tensor
@@ -65,6 +68,7 @@ class LossInputs:
     ref_kl: Optional[Tensor] = None
     kept_mass: Optional[Tensor] = None
     target_kept: Optional[Tensor] = None
+    routing_disagreement: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.logprobs.dim() != 2:

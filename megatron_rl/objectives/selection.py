@@ -1,5 +1,6 @@
 """Which tokens a loss uses and with which importance weights — everything detached, decided before
-any differentiable math (sanitisation, DVP out-of-set policy, rollout correction, TRM).
+any differentiable math (sanitisation, DVP out-of-set policy, rollout correction, TRM, MoE routing
+mask). Every rejection is ANDed into ``keep`` (and the sequence ones into ``seq_keep``).
 
 The same function runs inside the loss and in :func:`megatron_rl.objectives.loss.step_normalizer`
 (to count the step's ``kept`` denominator over all micro-batches), so both see identical masks.
@@ -18,6 +19,7 @@ from megatron_rl.objectives.dvp import out_of_set_keep
 from megatron_rl.objectives.records import LossInputs
 from megatron_rl.objectives.reduce import ReduceGroups
 from megatron_rl.objectives.rollout_correction import Correction, compute_correction
+from megatron_rl.objectives.routing_mask import RoutingMaskResult, routing_mask
 from megatron_rl.objectives.trm import TRMResult, trm_mask
 
 Tensor = torch.Tensor
@@ -38,6 +40,7 @@ class Selection:
     seq_keep: Tensor  # [B] sequence-level acceptance (sequence rules, Seq-MIS, TRM)
     dvp_keep: Optional[Tensor]
     n_nonfinite: Tensor
+    routing: Optional[RoutingMaskResult] = None
 
 
 def select_tokens(inputs: LossInputs, cfg: ObjectiveConfig, groups: ReduceGroups = ReduceGroups()) -> Selection:
@@ -93,5 +96,10 @@ def _select(x: LossInputs, valid: Tensor, n_bad: Tensor, cfg: ObjectiveConfig, g
         trm = trm_mask(stats, cfg.trm)
         keep &= trm.keep[:, None]
         seq_keep &= trm.keep
+    routing = None
+    if cfg.routing_mask.enabled:
+        routing = routing_mask(x.routing_disagreement, valid, cfg.routing_mask, groups.cp)
+        keep &= routing.token_keep & routing.seq_keep[:, None]
+        seq_keep &= routing.seq_keep
     return Selection(x, valid, keep, weights, seq_weights, anchor, log_ratio, stats, correction, trm, seq_keep,
-                     dvp_keep, n_bad)
+                     dvp_keep, n_bad, routing)

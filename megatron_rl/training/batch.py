@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 Tensor = torch.Tensor
-_TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+_TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "routing_disagreement")
 
 
 @dataclass
@@ -42,8 +42,13 @@ class TrainBatch:
         old_logprobs: ``[B, R]`` log π_old from :meth:`PolicyTrainer.forward` (decoupled mode).
         ref_logprobs: ``[B, R]`` log π_ref of the sampled tokens (sample-based KL penalties).
         routed_experts: ``[B, L, num_moe_layers, topk]`` expert ids the rollout engine chose at each input
-            position (prompt and response), MoE layers in model order; for routing replay.
+            position (prompt and response), MoE layers in model order; for routing replay. A row of -1
+            leaves that token to the trainer's router (``megatron_rl.routing.align``).
         group_ids: ``[B]`` prompt group of each sequence (GRPO groups); carried, not used by the loss.
+        route_checksums: ``[B]`` int64 checksum of the tokens each ``routed_experts`` row was recorded for
+            (``megatron_rl.routing.attach_routes``); checked against each micro-batch's tokens before replay.
+        routing_disagreement: ``[B, R]`` per-token trainer-vs-engine routing disagreement (fraction of MoE
+            layers), from :meth:`PolicyTrainer.forward`; for ``objective.routing_mask``.
     """
 
     input_ids: Tensor
@@ -56,6 +61,8 @@ class TrainBatch:
     ref_logprobs: Optional[Tensor] = None
     routed_experts: Optional[Tensor] = None
     group_ids: Optional[Tensor] = None
+    route_checksums: Optional[Tensor] = None
+    routing_disagreement: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         ids = self.input_ids
@@ -102,6 +109,8 @@ class TrainBatch:
                              f"{tuple(re.shape)}")
         if self.group_ids is not None and torch.as_tensor(self.group_ids).shape != (B,):
             raise ValueError(f"TrainBatch.group_ids must be [B={B}]")
+        if self.route_checksums is not None and (re is None or torch.as_tensor(self.route_checksums).shape != (B,)):
+            raise ValueError(f"TrainBatch.route_checksums must be [B={B}] and come with routed_experts")
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -191,6 +200,8 @@ class MicroBatch:
     old_logprobs: Optional[Tensor]
     ref_logprobs: Optional[Tensor]
     routed_experts: Optional[Tensor]
+    route_checksums: Optional[Tensor] = None
+    routing_disagreement: Optional[Tensor] = None
 
     @property
     def size(self) -> int:
@@ -264,4 +275,6 @@ def _micro_batch(batch: TrainBatch, rows: Tensor, pad_multiple: int, fixed: Opti
         logit_index=logit_index, response_mask=batch.response_mask[rows, :r], advantages=tok("advantages"),
         rollout_logprobs=tok("rollout_logprobs"), old_logprobs=tok("old_logprobs"), ref_logprobs=tok("ref_logprobs"),
         routed_experts=routed,
+        route_checksums=None if batch.route_checksums is None else batch.route_checksums[rows],
+        routing_disagreement=tok("routing_disagreement"),
     )

@@ -13,6 +13,7 @@ from typing import Optional
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.routing.config import RoutingDiagnosticsConfig
 from megatron_rl.schedules import LRScheduleConfig
 
 _DEFAULT_SCHEDULE_LR = LRScheduleConfig().lr
@@ -82,7 +83,10 @@ class TrainConfig:
             multiple (and to the TP size under sequence parallelism).
         group_by_length: sort sequences by length before cutting micro-batches (less padding). The loss
             and gradient do not depend on the grouping: the step's normaliser is global.
-        routing_replay: replay the rollout engine's MoE expert choices (``TrainBatch.routed_experts``).
+        routing_replay: replay the rollout engine's MoE expert choices (``TrainBatch.routed_experts``) in the
+            train step, ``forward`` (old log-probs) and the reference model's pass (:mod:`megatron_rl.routing`).
+        routing_diagnostics: MoE routing metrics: per-layer agreement with the engine (every step, free) and
+            the optional pass without replay (:class:`megatron_rl.routing.RoutingDiagnosticsConfig`).
         reference_model: a frozen reference policy (same layout) for the exact per-token KL: the dense
             imitation term (``objective.dense_kl``), ``kl_penalty`` with ``estimator='exact'``, and
             ``ref_kl`` in forward results. Its logits are kept for all of a step's micro-batches.
@@ -95,6 +99,7 @@ class TrainConfig:
     pad_to_multiple: int = 1
     group_by_length: bool = True
     routing_replay: bool = False
+    routing_diagnostics: RoutingDiagnosticsConfig = field(default_factory=RoutingDiagnosticsConfig)
     reference_model: Optional[ModelConfig] = None
     chunk_size: Optional[int] = None
 

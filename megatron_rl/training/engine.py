@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 from megatron_rl.models.build import BuiltModel, build_model, load_arch
 from megatron_rl.models.config import ModelConfig
-from megatron_rl.objectives import ReduceGroups, step_normalizer
+from megatron_rl.objectives import ObjectiveConfig, ReduceGroups, step_normalizer
 from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response_length
 from megatron_rl.parallel import ParallelGroups
+from megatron_rl.routing.trainer import TrainerRouting
 from megatron_rl.schedules import LRSchedule, set_lr
 from megatron_rl.training import loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch, make_micro_batches
@@ -81,9 +82,7 @@ class PolicyTrainer:
         sp = tc.sequence_parallel and groups.layout.tp > 1
         self._pad_multiple = math.lcm(train.pad_to_multiple, groups.layout.tp if sp else 1)
         self._mp_group = ps.get_model_parallel_group()  # read once, at the edge
-        self._moe_layers = [i for i, m in enumerate(self.built.arch.moe_layers) if m]
-        if train.routing_replay and not (self.built.arch.is_moe and tc.moe_enable_routing_replay):
-            raise ValueError("train.routing_replay needs an MoE model built with ModelConfig.routing_replay=True")
+        self.routing = TrainerRouting(self)  # MoE routing replay, agreement metrics, the routing mask's input
         self.ref: Optional[BuiltModel] = None
         if train.reference_model is not None:
             self.ref = build_model(pipeline_ready(train.reference_model, pp), groups)
@@ -109,16 +108,41 @@ class PolicyTrainer:
         return self.built.module
 
     @torch.no_grad()
-    def forward(self, batch: TrainBatch) -> ForwardResult:
+    def forward(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> ForwardResult:
         """Forward-only pass: per-response-token log-prob, entropy and Σπ² (plus DVP / reference-KL fields)
-        of the current weights, on every rank of this data-parallel replica."""
-        mbs = self._micro_batches(batch)
-        ref = self._reference_logits(mbs)
-        payloads = self._stats_pass(mbs, ref)
-        return self._assemble(batch, mbs, payloads)
+        of the current weights, on every rank of this data-parallel replica. ``objective``: as in
+        :meth:`train_step` (it sets e.g. the direction of ``ref_kl``)."""
+        with self._objective(objective):
+            mbs = self._micro_batches(batch)
+            ref = self._reference_logits(mbs)
+            tracker = self.routing.tracker(batch)
+            payloads = self._stats_pass(mbs, ref, tracker)
+            return self.routing.finish_forward(self._assemble(batch, mbs, payloads), batch, tracker)
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
-        """One optimizer step on this replica's batch (collective over the whole job)."""
+    def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
+        """One optimizer step on this replica's batch (collective over the whole job).
+
+        ``objective`` replaces ``TrainConfig.objective`` for this call only — how a run switches from an
+        imitation warm-up (dense KL to the reference) to the RL loss without rebuilding the trainer. A
+        reference model it needs must have been configured (``TrainConfig.reference_model``); reference
+        logits are computed only when the step's objective uses them.
+        """
+        with self._objective(objective):
+            return self._train_step(batch)
+
+    @contextlib.contextmanager
+    def _objective(self, objective: Optional[ObjectiveConfig]):
+        if objective is None or objective == self.cfg.objective:
+            yield
+            return
+        base = self.cfg
+        self.cfg = dataclasses.replace(base, objective=objective)  # re-validated (e.g. a reference it needs)
+        try:
+            yield
+        finally:
+            self.cfg = base
+
+    def _train_step(self, batch: TrainBatch) -> StepResult:
         if self.optimizer is None:
             raise ValueError("this PolicyTrainer was built without an OptimConfig: it can only run forward()")
         cfg, groups = self.cfg, self.groups
@@ -127,11 +151,13 @@ class PolicyTrainer:
         if cfg.objective.policy.mode == "decoupled" and batch.old_logprobs is None:
             raise ValueError("policy.mode='decoupled' needs TrainBatch.old_logprobs: run trainer.forward(batch) first "
                              "and pass batch.replace(old_logprobs=result.logprobs), or use policy.mode='bypass'")
+        batch = self.routing.prepare(batch)  # the routing mask's input, if it needs one and it is missing
         mbs = self._micro_batches(batch)
         self._check_same_count_over_dp(len(mbs))
+        routing_metrics = self.routing.before_step(batch, mbs)  # diagnostics at the pre-update weights
         lr_before = self.lr
         lr, schedule_before = self._begin_lr(batch)
-        ref = self._reference_logits(mbs)
+        ref = self._reference_logits(mbs) if cfg.needs_reference_logits else None
         reduce_groups = ReduceGroups(dp=groups.dp)
         normalizer = self._step_normalizer(mbs, ref, reduce_groups)
         # Megatron divides by M and DDP by dp*cp: see the module docstring.
@@ -147,7 +173,8 @@ class PolicyTrainer:
 
         zero_grads(self.ddp, self.optimizer)
         self.ddp.train()
-        with self._routing() as set_routes:
+        tracker = self.routing.tracker(batch)
+        with self.routing.routes(self.built, mbs, tracker) as set_routes:
             payloads = run_micro_batches(self.ddp, mbs, loss_fn, forward_only=False, before_forward=set_routes)
         loss, n_bad = self._step_loss(payloads)
         applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad,
@@ -169,6 +196,7 @@ class PolicyTrainer:
             metrics["train/nonfinite_policy_tokens"] = float(n_bad)
         loss, metrics = self._from_last_stage((loss, metrics))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
+        metrics.update(self.routing.after_step(batch, tracker, metrics, routing_metrics))
         return StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not applied,
                           skipped_steps=self.skipped_steps, metrics=metrics)
 
@@ -213,14 +241,9 @@ class PolicyTrainer:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.built.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.built.vocab_size}); got [{int(ids.min())}, "
                              f"{int(ids.max())}]")
-        if self.cfg.routing_replay:
-            re = batch.routed_experts
-            if re is None:
-                raise ValueError("train.routing_replay=True but TrainBatch.routed_experts is None")
-            want = (len(self._moe_layers), arch.moe_topk)
-            if tuple(re.shape[2:]) != want:
-                raise ValueError(f"TrainBatch.routed_experts: expected [B, L, {want[0]} MoE layers, topk={want[1]}], "
-                                 f"got {tuple(re.shape)}")
+        if self.cfg.routing_replay and batch.routed_experts is None:
+            raise ValueError("train.routing_replay=True but TrainBatch.routed_experts is None")
+        self.routing.check_batch(batch)
         # All TP/PP ranks of a replica must feed the same batch (else: hangs or silent garbage).
         sums = [batch.batch_size, batch.input_ids.shape[1], int(ids.sum()), int(lengths.sum()),
                 int(batch.response_mask.sum())]
@@ -250,31 +273,20 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------------------
     # Passes
     # ------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _routing(self):
-        """Yields the per-micro-batch hook that feeds the rollout's expert ids to the routers (or None)."""
-        if not self.cfg.routing_replay:
-            yield None
-            return
-        from megatron_rl.models.router import replay_routing, tokens_from_batch_major
-
-        with replay_routing(self.built) as replayer:
-            def set_routes(mb: MicroBatch) -> None:
-                replayer.set({layer: tokens_from_batch_major(mb.routed_experts[:, :, i])
-                              for i, layer in enumerate(self._moe_layers)})
-            yield set_routes
-
     @torch.no_grad()
     def _reference_logits(self, mbs: List[MicroBatch]) -> Optional[List[torch.Tensor]]:
         """Reference logits ``[b, s, V_local]`` of every micro-batch (last stage; empty list elsewhere)."""
         if self.ref is None:
             return None
-        return run_micro_batches(self.ref.module, mbs, lambda logits, mb, k: (logits.new_zeros(()), logits.detach()),
-                                 forward_only=True)
+        with self.routing.routes(self.ref, mbs) as set_routes:  # replays the rollout's routing too
+            return run_micro_batches(self.ref.module, mbs,
+                                     lambda logits, mb, k: (logits.new_zeros(()), logits.detach()),
+                                     forward_only=True, before_forward=set_routes)
 
     @torch.no_grad()
-    def _stats_pass(self, mbs: List[MicroBatch], ref) -> List[Dict[str, torch.Tensor]]:
-        """Forward-only token statistics of every micro-batch (last stage; empty list elsewhere)."""
+    def _stats_pass(self, mbs: List[MicroBatch], ref, tracker=None) -> List[Dict[str, torch.Tensor]]:
+        """Forward-only token statistics of every micro-batch (last stage; empty list elsewhere); ``tracker``
+        collects the pass's routing agreement."""
         cfg, groups = self.cfg, self.groups
 
         def loss_fn(logits, mb: MicroBatch, k: int):
@@ -284,7 +296,7 @@ class PolicyTrainer:
 
         stage = self.ddp if self.ddp is not None else self.built.module
         stage.eval()
-        with self._routing() as set_routes:
+        with self.routing.routes(self.built, mbs, tracker) as set_routes:
             return run_micro_batches(stage, mbs, loss_fn, forward_only=True, before_forward=set_routes)
 
     def _result_keys(self) -> List[str]:

@@ -94,7 +94,7 @@ def loss_inputs(stats: TokenStats, mb: MicroBatch) -> LossInputs:
         logprobs=stats.logprobs, mask=mb.response_mask, advantages=mb.advantages,
         old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
         entropy=stats.entropy, sum_pi_squared=stats.sum_pi_squared, ref_kl=stats.ref_kl,
-        kept_mass=stats.kept_mass, target_kept=stats.target_kept,
+        kept_mass=stats.kept_mass, target_kept=stats.target_kept, routing_disagreement=mb.routing_disagreement,
     )
 
 
@@ -111,13 +111,13 @@ def normalizer_inputs(mb: MicroBatch, cfg: TrainConfig, current: Optional[Dict[s
         return LossInputs(logprobs=current["logprobs"], mask=mb.response_mask, advantages=mb.advantages,
                           old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs,
                           ref_logprobs=mb.ref_logprobs, kept_mass=current.get("kept_mass"),
-                          target_kept=current.get("target_kept"))
+                          target_kept=current.get("target_kept"), routing_disagreement=mb.routing_disagreement)
     stand_in = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
     if stand_in is None:
         stand_in = torch.zeros_like(mb.advantages)
     return LossInputs(logprobs=stand_in, mask=mb.response_mask, advantages=mb.advantages,
                       old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs,
-                      ref_logprobs=mb.ref_logprobs)
+                      ref_logprobs=mb.ref_logprobs, routing_disagreement=mb.routing_disagreement)
 
 
 def normalizer_needs_current_policy(cfg: TrainConfig) -> bool:

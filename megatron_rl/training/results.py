@@ -36,7 +36,9 @@ class ForwardResult:
 
     ``logprobs`` is the log-prob the loss compares against (DVP-pruned when DVP is on: use it as
     ``old_logprobs``); ``full_logprobs``/``kept_mass``/``target_kept`` only with DVP; ``ref_kl`` only
-    with a reference model.
+    with a reference model. MoE batches with ``routed_experts``: ``routing_disagreement`` (pass it on as
+    ``TrainBatch.routing_disagreement`` for ``objective.routing_mask``) and ``metrics`` (``routing/*``:
+    per-layer agreement, log-prob mismatch vs the rollout; :mod:`megatron_rl.routing`), global over DP.
     """
 
     logprobs: Tensor
@@ -47,6 +49,8 @@ class ForwardResult:
     kept_mass: Optional[Tensor] = None
     target_kept: Optional[Tensor] = None
     ref_kl: Optional[Tensor] = None
+    routing_disagreement: Optional[Tensor] = None
+    metrics: Dict[str, float] = field(default_factory=dict)
 
 
 def _kind(name: str) -> str:
