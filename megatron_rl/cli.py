@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "nodes, and submit it (or print it with --dry-run)")
     slurm.add_arguments(p)
     p.set_defaults(func=slurm.cli_main)
+    from megatron_rl.orchestration import cli as train_cli  # argparse only: Ray and torch load when it runs
+
+    p = sub.add_parser("train", help="run an RL recipe: `megatron-rl train RECIPE [key=value ...] [--dry-run]`")
+    train_cli.add_arguments(p)
+    p.set_defaults(func=train_cli.cli_main)
     return ap
 
 

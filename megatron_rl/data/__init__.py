@@ -6,6 +6,7 @@
   sampler.py         PromptSampler: (seed, epoch) permutations, state_dict/load_state_dict resume
   arithmetic.py      single-digit arithmetic problems for the tiny CPU recipe
   tiny_tokenizer.py  make_tiny_tokenizer: a 64-token character-level HF tokenizer, built locally
+  tiny_task.py       prepare_tiny_arithmetic: the tiny recipe's tokenizer, data, student and teacher
   rewards/           reward functions, RewardConfig, RewardRunner (worker processes, timeouts)
 
 Names are imported lazily (PEP 562): reward worker processes import this package and must not pay
@@ -24,6 +25,7 @@ _EXPORTS = {
     "PromptSampler": "sampler", "epoch_order": "sampler",
     "generate_problems": "arithmetic", "all_problems": "arithmetic", "write_arithmetic_dataset": "arithmetic",
     "make_tiny_tokenizer": "tiny_tokenizer", "build_tiny_tokenizer": "tiny_tokenizer",
+    "prepare_tiny_arithmetic": "tiny_task",
     "RewardConfig": "rewards.config", "RewardRunner": "rewards.runner", "RewardResult": "rewards.runner",
 }
 __all__ = sorted(_EXPORTS)

@@ -269,15 +269,17 @@ def _prune(root: str, keep_last: int, protect: str) -> None:
             shutil.rmtree(os.path.join(root, iter_name(step)), ignore_errors=True)
 
 
-def save_checkpoint(trainer, cfg: CheckpointConfig, extra: Optional[Dict[str, Any]] = None) -> str:
+def save_checkpoint(trainer, cfg: CheckpointConfig, extra: Optional[Dict[str, Any]] = None, *,
+                    step: Optional[int] = None) -> str:
     """Save ``trainer`` (collective: every rank calls it) as ``cfg.root/iter_<step>``; return the path.
 
     ``extra`` is an opaque, picklable dict (identical on every rank; rank 0's copy is stored), returned
-    by :func:`load_checkpoint`.
+    by :func:`load_checkpoint`. ``step`` numbers the directory (default: the trainer's optimizer step; an
+    RL driver passes its own step, which also counts steps that had nothing to train on).
     """
     from megatron.core import dist_checkpointing
 
-    root, name = os.path.abspath(cfg.root), iter_name(trainer.step)
+    root, name = os.path.abspath(cfg.root), iter_name(trainer.step if step is None else step)
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
     rank0 = dist.get_rank() == 0
     if rank0:

@@ -1,0 +1,341 @@
+"""The run's config tree: one typed :class:`RunConfig` composing every component's own section.
+
+A recipe (YAML) mirrors the tree; any field can be overridden on the command line with a dotted
+``key=value`` (``rollout.n_samples_per_prompt=8``). :func:`load_run_config` reads, merges, builds (each
+section validates itself on construction, errors name the dotted path), prepares generated assets
+(the tiny recipe's model, tokenizer and data) and then runs the cross-field checks of
+:mod:`megatron_rl.config_checks` — batch divisibility, parallel sizes vs world size, vocabulary vs
+tokenizer, paths — reporting every problem at once, each with the fields, their values and a fix.
+
+Each component receives only its section: the trainer ``model``/``train``/``optim``, the reward
+runner ``reward``, the sampler ``data``, the engines ``rollout``. Nothing threads the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence
+
+from megatron_rl import config_io
+from megatron_rl.advantages import AdvantageConfig
+from megatron_rl.data.config import DataConfig
+from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.launch.slurm import SlurmConfig
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
+from megatron_rl.parallel import ParallelLayout
+from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.training.config import OptimConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Trainer processes and how the model is split over them (data parallelism is the rest)."""
+
+    world_size: int = 1  # trainer processes (one per GPU on GPU machines)
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallelism (None: same as tp)
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Rollout sampling (SGLang names). The tokenizer's EOS is always a stop token."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 1024
+    stop_token_ids: List[int] = field(default_factory=list)
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/sglang.py``."""
+
+    tp_size: int = 1  # GPUs per server
+    mem_fraction_static: float = 0.8
+    dtype: str = "auto"
+    sampling_backend: Optional[str] = None  # "pytorch" is needed for seeded (reproducible) sampling
+    enable_memory_saver: bool = False
+    extra_args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    health_timeout_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout engines, sampling, dynamic sampling, weight sync and placement.
+
+    engine:                 ``embedded`` (our transformers engine behind the SGLang-compatible HTTP server,
+                            one per engine worker; CPU or small GPU runs), ``sglang`` (SGLang servers
+                            launched by engine workers) or ``remote`` (servers already running at ``urls``).
+    prompts_per_step:       prompt groups in each training batch (after dynamic-sampling filtering).
+    dynamic_sampling:       drop groups whose rewards are all equal (no GRPO signal) and over-sample
+                            up to ``max_oversample_rounds`` more rounds to refill the batch (DAPO).
+    oversample_factor:      each refill round asks for ``ceil(missing * factor)`` more prompts.
+    logprob_mode:           ``raw`` (SGLang's default, full-vocabulary) or ``processed`` (renormalised over
+                            the top-k/top-p set: pair it with DVP in the objective), see rollout/protocol.py.
+    seeded:                 per-request sampling seeds derived from (seed, step, round, slot): rollouts are
+                            reproducible and a resumed run matches an uninterrupted one (SGLang needs
+                            ``sglang.sampling_backend: pytorch``).
+    weight_transport:       ``tensor`` (safetensors over HTTP; embedded servers), ``distributed`` (HTTP
+                            announce + torch.distributed broadcast; SGLang) or ``auto``.
+    placement:              ``colocated`` (engines share the trainers' placement-group bundles and release
+                            their memory while the trainer runs) or ``disaggregated`` (own bundles).
+    off_policy:             0: synchronous; 1: the next step's rollout overlaps this step's training (one
+                            step stale; the decoupled / rollout-correction loss handles it).
+    """
+
+    engine: Literal["embedded", "sglang", "remote"] = "embedded"
+    urls: List[str] = field(default_factory=list)
+    num_engines: int = 1
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    n_samples_per_prompt: int = 8
+    prompts_per_step: int = 32
+    dynamic_sampling: bool = False
+    max_oversample_rounds: int = 3
+    oversample_factor: float = 1.0
+    logprob_mode: Literal["raw", "processed"] = "raw"
+    seeded: bool = True
+    balancer: Literal["round_robin", "least_outstanding"] = "least_outstanding"
+    max_concurrency: int = 64  # HTTP requests in flight from the driver
+    request_timeout_s: float = 600.0
+    host: str = "127.0.0.1"  # where engine workers bind their servers ("0.0.0.0" on multi-node clusters)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    weight_transport: Literal["auto", "tensor", "distributed"] = "auto"
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    off_policy: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1 or self.num_engines < 1:
+            raise ValueError(f"rollout.n_samples_per_prompt={self.n_samples_per_prompt}, prompts_per_step="
+                             f"{self.prompts_per_step} and num_engines={self.num_engines} must all be >= 1")
+        if self.max_oversample_rounds < 0 or not self.oversample_factor >= 1.0:
+            raise ValueError(f"rollout.max_oversample_rounds={self.max_oversample_rounds} must be >= 0 and "
+                             f"oversample_factor={self.oversample_factor} >= 1")
+        if self.off_policy not in (0, 1):
+            raise ValueError(f"rollout.off_policy={self.off_policy}: expected 0 (synchronous) or 1 (one step)")
+
+    @property
+    def transport(self) -> str:
+        if self.weight_transport != "auto":
+            return self.weight_transport
+        return "distributed" if self.engine == "sglang" else "tensor"
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Imitation warm-up: the first ``steps`` steps train on the dense KL to ``teacher`` only (advantages
+    zero, no dynamic-sampling filter), then the RL objective takes over. ``teacher`` (an HF directory)
+    becomes ``train.reference_model``."""
+
+    steps: int = 0
+    teacher: Optional[str] = None
+    dense_kl: DenseKLConfig = field(default_factory=lambda: DenseKLConfig(beta=1.0, sparse_includes_future_kl=False))
+
+    def objective(self, base: ObjectiveConfig) -> ObjectiveConfig:
+        return dataclasses.replace(base, dense_kl=self.dense_kl)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation on held-out prompts through the rollout engines (after the weight sync)."""
+
+    data: Optional[DataConfig] = None
+    interval: int = 0  # steps between evaluations (0: never); also before the first and after the last step
+    max_prompts: int = 256
+    greedy: bool = True
+    n_samples: int = 1
+    max_new_tokens: Optional[int] = None  # None: rollout.sampling.max_new_tokens
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Trainer checkpoints (``training/checkpoint.py``) plus the driver's state; HF export at the end."""
+
+    root: Optional[str] = None  # None: <logging.output_dir>/checkpoints
+    interval: int = 0  # steps between checkpoints (0: only at the end)
+    keep_last: int = 3
+    save_optimizer: bool = True
+    optimizer_format: str = "fully_reshardable"
+    save_hf: bool = True  # write <output_dir>/hf_final (safetensors) at the end
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    output_dir: str = "runs/default"
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "megatron-rl"
+    wandb_run_name: Optional[str] = None
+    jsonl: bool = True
+    progress: bool = True  # progress bars (rollout requests, steps); weight sync: rollout.weight_sync.progress
+    print_samples: int = 1  # responses printed per step (0: none)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Ray: where to run and what each worker reserves."""
+
+    address: Optional[str] = None  # None: start a local Ray; "auto": the cluster of RAY_ADDRESS (SLURM)
+    num_cpus: Optional[float] = None  # local Ray only: logical CPUs (None: enough for every worker)
+    cpus_per_trainer: float = 1.0
+    gpus_per_trainer: float = 0.0
+    cpus_per_engine: float = 1.0
+    gpus_per_engine: float = 0.0  # disaggregated SGLang: rollout.sglang.tp_size
+    threads_per_worker: int = 1  # torch intra-op threads in each worker (OMP_NUM_THREADS)
+    backend: Optional[str] = None  # torch.distributed backend (None: nccl with CUDA, else gloo)
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Assets generated before the config is checked (deterministic, no downloads; skipped when present)."""
+
+    kind: Literal["none", "tiny_arithmetic"] = "none"
+    dir: str = "runs/assets"
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``megatron-rl train`` run needs. Only ``model`` and ``data`` are required."""
+
+    model: ModelConfig
+    data: DataConfig
+    seed: int = 0
+    steps: int = 100
+    stop_after_steps: Optional[int] = None  # stop early (e.g. end of a SLURM slot); resume=true continues
+    resume: bool = False
+    overwrite: bool = False  # start over even if the output dir holds checkpoints (they are deleted)
+    tokenizer: Optional[str] = None  # None: model.hf_path
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    slurm: Optional[SlurmConfig] = None  # read by `megatron-rl slurm`; ignored by the run itself
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps} must be >= 1")
+        teacher = self.warmup.teacher
+        if teacher is not None:
+            ref = self.train.reference_model
+            if ref is None:  # the teacher is the trainer's reference model (its logits feed the dense KL)
+                ref = dataclasses.replace(self.model, hf_path=teacher)
+                self.train = dataclasses.replace(self.train, reference_model=ref)
+            elif ref.hf_path != teacher:
+                raise ValueError(f"warmup.teacher={teacher!r} and train.reference_model.hf_path={ref.hf_path!r} "
+                                 "differ: the warm-up teacher is the trainer's reference model; set only one")
+
+    # ---- derived views, so components get their own part -------------------------------------------
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model.hf_path
+
+    @property
+    def output_dir(self) -> str:
+        return self.logging.output_dir
+
+    @property
+    def checkpoint_root(self) -> str:
+        import os
+
+        return self.checkpoint.root or os.path.join(self.logging.output_dir, "checkpoints")
+
+    @property
+    def last_step(self) -> int:
+        """The step this invocation stops after."""
+        return min(self.steps, self.stop_after_steps or self.steps)
+
+    def objective_at(self, step: int) -> ObjectiveConfig:
+        """The objective of (1-based) ``step``: the warm-up's for the first ``warmup.steps`` steps."""
+        if step <= self.warmup.steps:
+            return self.warmup.objective(self.train.objective)
+        return self.train.objective
+
+
+def _strip_root(message: str) -> str:
+    # Users write `rollout.n_samples_per_prompt=8`, not `RunConfig.rollout...`.
+    return message.replace("RunConfig.", "").replace("RunConfig: ", "")
+
+
+def resolve_mapping(recipe: Optional[str], overrides: Sequence[str] = ()) -> Dict[str, Any]:
+    """Recipe YAML merged with dotted overrides (no building yet)."""
+    base = config_io.load_yaml(recipe) if recipe else {}
+    return config_io.merge(base, config_io.parse_overrides(list(overrides)))
+
+
+def build_run_config(mapping: Mapping[str, Any]) -> RunConfig:
+    mapping = dict(mapping)
+    optim = mapping.get("optim")
+    if isinstance(optim, Mapping) and "lr" in optim and isinstance(optim.get("schedule"), Mapping) \
+            and "lr" not in optim["schedule"]:
+        # optim.lr is the peak LR; the schedule validates min_lr against its own lr when it is built, before
+        # OptimConfig copies optim.lr into it. Give it optim.lr up front, so `optim.lr=...` alone suffices.
+        mapping["optim"] = config_io.merge(optim, {"schedule": {"lr": optim["lr"]}})
+    try:
+        return config_io.build(RunConfig, mapping)
+    except config_io.ConfigError as e:
+        raise config_io.ConfigError(_strip_root(str(e))) from None
+
+
+def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, prepare: bool = True,
+                    check: bool = True) -> RunConfig:
+    """Recipe + overrides -> a checked :class:`RunConfig` (raises :class:`config_io.ConfigError`).
+
+    ``prepare`` first builds generated assets the recipe names (``prepare.kind``), because the data and
+    model sections check that their paths exist.
+    """
+    mapping = resolve_mapping(recipe, overrides)
+    if prepare:
+        try:
+            prep = config_io.build(PrepareConfig, mapping.get("prepare") or {}, "prepare")
+        except config_io.ConfigError as e:
+            raise config_io.ConfigError(str(e)) from None
+        if prep.kind == "tiny_arithmetic":
+            from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
+
+            prepare_tiny_arithmetic(prep.dir, seed=prep.seed)
+    cfg = build_run_config(mapping)
+    if check:
+        from megatron_rl.config_checks import check_run_config
+
+        check_run_config(cfg)
+    return cfg
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what the run writes to ``<output_dir>/config.yaml``)."""
+    import yaml
+
+    return yaml.safe_dump(config_io.to_dict(cfg), sort_keys=False)

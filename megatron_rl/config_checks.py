@@ -1,0 +1,217 @@
+"""Cross-field checks of a :class:`~megatron_rl.config.RunConfig`, run before anything starts.
+
+Each section already validated itself when it was built; what is left needs several sections at once
+or the files they name (the HF config, the tokenizer). Every problem is collected, then all are raised
+together in one :class:`~megatron_rl.config_io.ConfigError`, each naming the fields, their values and
+what would fix it — a user fixes a recipe in one round trip instead of one error per launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional
+
+from megatron_rl.config import RunConfig
+from megatron_rl.config_io import ConfigError
+
+_GROUPED = ("grpo", "rloo", "reinforce_pp_baseline", "otb")
+
+
+def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
+    """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
+    and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
+    problems: List[str] = []
+    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs] + ([_paths] if files else [])
+    for check in checks:
+        check(cfg, problems)
+    if files and not problems:  # model-file checks only once the paths are known to exist
+        _model_files(cfg, problems)
+    if problems:
+        listing = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"{len(problems)} problem(s) in the config:\n{listing}")
+
+
+def _parallel(cfg: RunConfig, out: List[str]) -> None:
+    p = cfg.parallel
+    model = p.tp * p.pp
+    if p.world_size % model:
+        out.append(f"parallel.world_size={p.world_size} is not divisible by parallel.tp * parallel.pp = {p.tp} * "
+                   f"{p.pp} = {model}; make world_size a multiple of {model} or change tp/pp")
+        return
+    try:
+        p.layout.check(p.world_size)
+    except ValueError as e:
+        out.append(f"parallel (world_size={p.world_size}, tp={p.tp}, pp={p.pp}, ep={p.ep}, etp={p.etp}): {e}")
+
+
+def _batch(cfg: RunConfig, out: List[str]) -> None:
+    p, r, mbs = cfg.parallel, cfg.rollout, cfg.train.micro_batch_size
+    if p.world_size % (p.tp * p.pp):
+        return  # reported by _parallel
+    unit = p.dp * mbs  # sequences a step must be a multiple of
+    batch = r.prompts_per_step * r.n_samples_per_prompt
+    if batch % unit:
+        step = unit // math.gcd(unit, r.n_samples_per_prompt)
+        out.append(f"the train batch rollout.prompts_per_step * rollout.n_samples_per_prompt = {r.prompts_per_step} * "
+                   f"{r.n_samples_per_prompt} = {batch} sequences is not divisible by data-parallel size * "
+                   f"train.micro_batch_size = {p.dp} * {mbs} = {unit}; make prompts_per_step a multiple of {step}, "
+                   f"or change train.micro_batch_size / parallel sizes")
+    if cfg.advantage.estimator in _GROUPED and r.n_samples_per_prompt < 2:
+        out.append(f"advantage.estimator={cfg.advantage.estimator!r} compares the samples of a prompt group but "
+                   f"rollout.n_samples_per_prompt={r.n_samples_per_prompt}; use >= 2 samples (e.g. 8) or estimator "
+                   "'reinforce_pp'")
+    if r.dynamic_sampling and r.n_samples_per_prompt < 2:
+        out.append("rollout.dynamic_sampling=true drops groups whose rewards are all equal, which every group of "
+                   f"rollout.n_samples_per_prompt={r.n_samples_per_prompt} is; use >= 2 samples per prompt")
+
+
+def _rollout(cfg: RunConfig, out: List[str]) -> None:
+    r, p = cfg.rollout, cfg.parallel
+    if r.engine == "remote" and not r.urls:
+        out.append("rollout.engine='remote' needs rollout.urls (e.g. [http://host:30000]) of running servers")
+    if r.engine != "remote" and r.urls:
+        out.append(f"rollout.urls={r.urls} is only used with rollout.engine='remote' (engine is {r.engine!r}); "
+                   "remove urls or set engine: remote")
+    if r.off_policy and r.placement == "colocated":
+        out.append("rollout.off_policy=1 overlaps the next rollout with training, but rollout.placement='colocated' "
+                   "engines release their memory while the trainer runs; set rollout.placement=disaggregated")
+    if r.placement == "colocated" and r.engine != "remote" and r.num_engines > p.world_size:
+        out.append(f"rollout.num_engines={r.num_engines} colocated engines need as many trainer bundles, but "
+                   f"parallel.world_size={p.world_size}; lower num_engines or use placement=disaggregated")
+    if r.engine == "sglang":
+        if r.placement == "colocated":
+            out.append("rollout.engine='sglang' with placement='colocated' would need CUDA-IPC weight updates, which "
+                       "are not implemented (the NCCL weight group cannot share a GPU); use placement=disaggregated")
+        if r.weight_transport == "tensor":
+            out.append("rollout.weight_transport='tensor' sends safetensors buckets, which only the embedded server "
+                       "accepts; use 'distributed' (or 'auto') with SGLang")
+        if r.placement == "disaggregated" and cfg.cluster.gpus_per_engine != r.sglang.tp_size:
+            out.append(f"cluster.gpus_per_engine={cfg.cluster.gpus_per_engine} but each SGLang server uses "
+                       f"rollout.sglang.tp_size={r.sglang.tp_size} GPUs; make them equal")
+        if r.seeded and r.sglang.sampling_backend != "pytorch":
+            out.append(f"rollout.seeded=true needs SGLang's pytorch sampler (its flashinfer sampler refuses seeds), but "
+                       f"rollout.sglang.sampling_backend={r.sglang.sampling_backend!r}; set it to 'pytorch' or "
+                       "rollout.seeded=false")
+    t_roll, t_train = r.sampling.temperature, cfg.train.temperature
+    if t_roll != t_train:
+        out.append(f"rollout.sampling.temperature={t_roll} and train.temperature={t_train} differ: the trainer must "
+                   "score tokens under the distribution they were sampled from; set both to the same value")
+    if not t_roll > 0:
+        out.append(f"rollout.sampling.temperature={t_roll}: RL rollouts must sample (> 0); greedy is for eval.greedy")
+
+
+def _objective(cfg: RunConfig, out: List[str]) -> None:
+    r, obj = cfg.rollout, cfg.train.objective
+    if r.sampling.filtered and (r.logprob_mode == "processed") != obj.dvp.enabled:
+        out.append(f"rollout.sampling filters tokens (top_k={r.sampling.top_k}, top_p={r.sampling.top_p}, min_p="
+                   f"{r.sampling.min_p}) with rollout.logprob_mode={r.logprob_mode!r} but train.objective.dvp.enabled="
+                   f"{obj.dvp.enabled}: full-vocabulary trainer log-probs compare with 'raw', DVP-pruned ones with "
+                   "'processed'; make them agree")
+    needs_old = obj.policy.mode == "decoupled"
+    if r.off_policy and not needs_old and not obj.correction.active:
+        out.append("rollout.off_policy=1 trains on one-step-stale samples: use train.objective.policy.mode=decoupled "
+                   "or a train.objective.correction (e.g. is_level: token) so the staleness is corrected")
+    if cfg.train.routing_replay and r.engine == "remote":
+        out.append("train.routing_replay=true needs the rollout's expert choices: start the remote SGLang servers "
+                   "with --enable-return-routed-experts (only engine 'embedded' or 'sglang' are checked here)")
+
+
+def _warmup(cfg: RunConfig, out: List[str]) -> None:
+    w = cfg.warmup
+    if w.steps < 0:
+        out.append(f"warmup.steps={w.steps} must be >= 0")
+    if w.steps > 0 and cfg.train.reference_model is None:
+        out.append(f"warmup.steps={w.steps} imitates a teacher: set warmup.teacher (an HF checkpoint directory)")
+    if w.steps > 0 and not w.dense_kl.beta > 0:
+        out.append(f"warmup.steps={w.steps} with warmup.dense_kl.beta={w.dense_kl.beta}: the warm-up would train on "
+                   "nothing; set beta > 0 (e.g. 1.0) or warmup.steps=0")
+
+
+def _eval(cfg: RunConfig, out: List[str]) -> None:
+    e = cfg.eval
+    if e.interval < 0 or e.max_prompts < 1 or e.n_samples < 1:
+        out.append(f"eval.interval={e.interval} must be >= 0, eval.max_prompts={e.max_prompts} and eval.n_samples="
+                   f"{e.n_samples} >= 1")
+    if e.interval > 0 and e.data is None:
+        out.append(f"eval.interval={e.interval} but eval.data is not set; give eval.data.path or set eval.interval=0")
+    if cfg.checkpoint.interval < 0:
+        out.append(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: only at the end)")
+    if cfg.stop_after_steps is not None and cfg.stop_after_steps < 1:
+        out.append(f"stop_after_steps={cfg.stop_after_steps} must be >= 1 (or null)")
+    if cfg.logging.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            out.append("logging.wandb=true but wandb is not installed: `pip install wandb` (and `wandb login`), or "
+                       "set logging.wandb=false")
+
+
+def _hf_dir(path: Optional[str], field: str, out: List[str]) -> None:
+    if path is None:
+        return
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        out.append(f"{field}={path!r} is not a local HF checkpoint directory (config.json + *.safetensors; cwd "
+                   f"{os.getcwd()}); download one, e.g. `huggingface-cli download Qwen/Qwen3-4B --local-dir {path}`")
+
+
+def _paths(cfg: RunConfig, out: List[str]) -> None:
+    _hf_dir(cfg.model.hf_path, "model.hf_path", out)
+    if cfg.train.reference_model is not None:
+        where = "warmup.teacher" if cfg.warmup.teacher else "train.reference_model.hf_path"
+        _hf_dir(cfg.train.reference_model.hf_path, where, out)
+    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
+        out.append(f"tokenizer={cfg.tokenizer!r} is not a directory (cwd {os.getcwd()}); point it at a saved HF "
+                   "tokenizer or remove it to use model.hf_path's")
+    fn = cfg.reward.custom_fn
+    if fn:
+        target = fn.rsplit(":", 1)[0]
+        if target.endswith(".py") and not os.path.isfile(target):
+            out.append(f"reward.custom_fn={fn!r}: file {target!r} does not exist (cwd {os.getcwd()})")
+
+
+def _outputs(cfg: RunConfig, out: List[str]) -> None:
+    from megatron_rl.training.checkpoint import CheckpointConfig, list_checkpoints
+
+    c = cfg.checkpoint
+    try:
+        CheckpointConfig(root=cfg.checkpoint_root, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
+                         optimizer_format=c.optimizer_format)
+    except ValueError as e:
+        out.append(str(e))
+    if not cfg.resume and not cfg.overwrite and list_checkpoints(cfg.checkpoint_root):
+        out.append(f"{cfg.checkpoint_root} already holds checkpoints of a run: pass resume=true to continue it, "
+                   f"overwrite=true to start over (deletes them), or another logging.output_dir")
+
+
+def _model_files(cfg: RunConfig, out: List[str]) -> None:
+    """Vocabulary vs tokenizer, lengths vs context, model vs parallel sizes (reads config.json + tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_rl.models.config import HFArch, check_divisibility
+
+    arch = HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path))
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+    if len(tok) > arch.vocab_size:
+        out.append(f"the tokenizer at {cfg.tokenizer_path!r} has {len(tok)} tokens but model.hf_path's vocab_size is "
+                   f"{arch.vocab_size}: token ids would fall outside the embedding; use the model's own tokenizer")
+    if tok.eos_token_id is None:
+        out.append(f"the tokenizer at {cfg.tokenizer_path!r} has no eos_token: responses could not stop")
+    ref = cfg.train.reference_model
+    if ref is not None:
+        ref_arch = HFArch.from_hf(AutoConfig.from_pretrained(ref.hf_path))
+        if ref_arch.vocab_size != arch.vocab_size:
+            out.append(f"the reference/teacher model {ref.hf_path!r} has vocab_size {ref_arch.vocab_size}, the policy "
+                       f"{arch.vocab_size}: the per-token KL needs the same vocabulary")
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    if longest > arch.max_position_embeddings:
+        out.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_tokens} + "
+                   f"{cfg.rollout.sampling.max_new_tokens} = {longest} exceeds the model's max_position_embeddings="
+                   f"{arch.max_position_embeddings}; lower one of them")
+    try:
+        check_divisibility(arch, cfg.parallel.layout)
+    except ValueError as e:
+        out.append(f"parallel (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, ep={cfg.parallel.ep}) does not fit "
+                   f"model.hf_path: {e}")
+    if cfg.train.routing_replay and not arch.is_moe:
+        out.append("train.routing_replay=true but model.hf_path is a dense model; set it to false")

@@ -1,0 +1,76 @@
+"""``megatron-rl train RECIPE [key=value ...] [--dry-run]``.
+
+Reads the recipe, applies the overrides, prepares generated assets, checks the whole config (every
+problem reported at once) and — unless ``--dry-run``, which prints the resolved config instead —
+runs it. Exit codes: 0 done, 2 config error, 1 the run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="the run's YAML recipe, e.g. examples/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides of any field, e.g. rollout.n_samples_per_prompt=8 resume=true")
+    p.add_argument("--dry-run", action="store_true", help="check the config and print it resolved; run nothing")
+    p.add_argument("--log-level", default="INFO", help="Python logging level of the driver (default INFO)")
+
+    def parse_known_args(args=None, namespace=None):  # key=value tokens may follow flags too
+        ns, extra = argparse.ArgumentParser.parse_known_args(p, args, namespace)
+        ns.overrides = list(ns.overrides or []) + [a for a in extra if _OVERRIDE.match(a)]
+        return ns, [a for a in extra if not _OVERRIDE.match(a)]
+
+    p.parse_known_args = parse_known_args
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines go through tqdm.write, so they print above the progress bars instead of through them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def _setup_logging(level: str) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), handlers=[handler], force=True)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    from megatron_rl.config import dump_yaml, load_run_config
+    from megatron_rl.config_io import ConfigError
+
+    _setup_logging(args.log_level)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        cfg = load_run_config(args.recipe, args.overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"megatron-rl train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dump_yaml(cfg), end="")
+        return 0
+    from megatron_rl.orchestration.driver import train
+
+    history = train(cfg)
+    final = [m for m in history if "rollout/reward_mean" in m]
+    if final:
+        print(f"done: {len(final)} steps, last reward {final[-1]['rollout/reward_mean']:.3f}; outputs in "
+              f"{cfg.output_dir}")
+    return 0

@@ -1,0 +1,142 @@
+"""Ray start-up and placement: where trainer ranks and rollout engines run.
+
+* ``colocated``: one placement group of ``world_size`` bundles ``{CPU: cpus_per_trainer, GPU:
+  gpus_per_trainer}``; trainer rank ``i`` takes half of bundle ``i`` and engine ``i`` (if any) the other
+  half — on GPUs that is Ray's fractional-GPU sharing, both processes see the same device. The driver
+  releases the engines' memory while the trainer runs and resumes it before the weight sync.
+* ``disaggregated``: the trainers' placement group as above (whole bundles) plus one for the engines,
+  ``num_engines`` bundles ``{CPU: cpus_per_engine, GPU: gpus_per_engine}`` (an SGLang server with
+  ``tp_size`` GPUs takes one bundle of that many GPUs).
+
+Both groups use the ``PACK`` strategy (a trainer group on as few nodes as possible, so tensor and
+pipeline parallel traffic stays local). A local Ray is started with ``address="local"`` — never
+attaching by accident to another cluster on the machine — with enough logical CPUs for every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from megatron_rl.config import ClusterConfig, RolloutConfig
+from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
+from megatron_rl.orchestration.trainer_worker import TrainerSpec, TrainerWorker
+
+logger = logging.getLogger(__name__)
+
+
+def _bundle(cpus: float, gpus: float) -> Dict[str, float]:
+    out = {"CPU": cpus}
+    if gpus > 0:  # Ray refuses zero-valued bundle entries
+        out["GPU"] = gpus
+    return out
+
+
+def _needs_engine_workers(rollout: RolloutConfig) -> bool:
+    return rollout.engine in ("embedded", "sglang")
+
+
+def required_cpus(cluster: ClusterConfig, world_size: int, rollout: RolloutConfig) -> float:
+    engines = rollout.num_engines if _needs_engine_workers(rollout) and rollout.placement == "disaggregated" else 0
+    return world_size * cluster.cpus_per_trainer + engines * cluster.cpus_per_engine
+
+
+def init_ray(cluster: ClusterConfig, needed_cpus: float) -> bool:
+    """Connect to (``cluster.address``) or start a local Ray; returns True when we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if cluster.address:
+        ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level="warning")
+        return False
+    num_cpus = cluster.num_cpus or max(float(os.cpu_count() or 1), needed_cpus)
+    cpu_only = cluster.gpus_per_trainer == 0 and cluster.gpus_per_engine == 0
+    # batches are small next to a CPU machine's memory; Ray's default (30 % of RAM) would pin GBs of shm
+    store = 512 * 1024**2 if cpu_only else None
+    ray.init(address="local", num_cpus=int(-(-num_cpus // 1)), include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": env}, object_store_memory=store)
+    return True
+
+
+@dataclass
+class Placement:
+    """The actors and placement groups of a run; :meth:`shutdown` removes them."""
+
+    trainers: List[Any]
+    engines: List[Any]
+    groups: List[Any] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for e in self.engines:
+            try:
+                ray.get(e.stop.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - best effort while tearing down
+                logger.warning("engine worker did not stop cleanly: %s", exc)
+        for t in self.trainers:
+            try:
+                ray.get(t.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        for actor in self.engines + self.trainers:
+            ray.kill(actor)
+        for pg in self.groups:
+            remove_placement_group(pg)
+
+
+def _ready(pg, what: str, timeout_s: float = 600.0) -> None:
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray could not place the {what} ({pg.bundle_specs}) within {timeout_s:.0f} s: the "
+                           f"cluster offers {ray.available_resources()}; lower cluster.cpus_per_*/gpus_per_* or add "
+                           "nodes") from None
+
+
+def place(cluster: ClusterConfig, rollout: RolloutConfig, world_size: int, trainer_spec: TrainerSpec,
+          engine_spec: Optional[EngineSpec]) -> Placement:
+    """Create the placement groups and the (not yet set-up) trainer and engine actors."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    colocated = rollout.placement == "colocated"
+    share = 0.5 if colocated and engine_spec is not None else 1.0
+    c_t, g_t = cluster.cpus_per_trainer, cluster.gpus_per_trainer
+    trainer_pg = placement_group([_bundle(c_t, g_t)] * world_size, strategy="PACK", name="megatron_rl_trainers")
+    _ready(trainer_pg, "trainer bundles")
+    groups = [trainer_pg]
+    trainer_cls = ray.remote(TrainerWorker)
+    trainers = [
+        trainer_cls.options(num_cpus=c_t * share, num_gpus=g_t * share,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(trainer_pg, placement_group_bundle_index=i)
+                            ).remote(i, world_size, trainer_spec)
+        for i in range(world_size)
+    ]
+    engines: List[Any] = []
+    if engine_spec is not None:
+        engine_cls = ray.remote(EngineWorker)
+        if colocated:
+            pg, cpus, gpus = trainer_pg, c_t * (1 - share), g_t * (1 - share)
+        else:
+            cpus, gpus = cluster.cpus_per_engine, cluster.gpus_per_engine
+            pg = placement_group([_bundle(cpus, gpus)] * rollout.num_engines, strategy="PACK",
+                                 name="megatron_rl_engines")
+            _ready(pg, "rollout engine bundles")
+            groups.append(pg)
+        for i in range(rollout.num_engines):
+            spec = EngineSpec(**{**engine_spec.__dict__, "index": i})
+            engines.append(engine_cls.options(
+                num_cpus=cpus, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote(spec))
+    return Placement(trainers=trainers, engines=engines, groups=groups)

@@ -1,0 +1,164 @@
+"""One trainer rank as a Ray actor: a ``PolicyTrainer`` plus weight sync and checkpoints.
+
+The driver creates ``world_size`` of these (one per GPU, or per CPU slot), asks rank 0 for a rendezvous
+address, then calls :meth:`TrainerWorker.setup` on all of them at once: ``torch.distributed``
+(gloo on CPU, nccl on GPU) over ``tcp://MASTER_ADDR:MASTER_PORT``, Megatron's parallel state, the
+model, optimizer and (optionally) a frozen reference model. Every other method is *collective*: the
+driver calls it on all ranks concurrently (:class:`~megatron_rl.orchestration.trainer_group.TrainerGroup`)
+with each rank's data-parallel shard of the batch.
+
+Weight sync: rank 0 holds a :class:`~megatron_rl.rollout.balancer.RemoteEngine` over the engine
+servers and drives :class:`~megatron_rl.rollout.weight_sync.WeightSync`; the other ranks join its
+gathers. Results that are identical on every rank come back from rank 0 only (less Ray traffic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.parallel import ParallelLayout
+from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.training.config import OptimConfig, TrainConfig
+
+
+@dataclass
+class TrainerSpec:
+    """What every rank builds (the trainer's sections of the run config, nothing else)."""
+
+    model: ModelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    layout: ParallelLayout
+    weight_sync: WeightSyncConfig
+    seed: int = 0
+    threads: int = 1
+    backend: Optional[str] = None
+    ref_logprobs_model: Optional[ModelConfig] = None  # a forward-only reference for sample-based KL penalties
+
+
+def _quiet_warnings() -> None:
+    # Known, harmless noise of megatron-core on CPU (no TE / apex) and of torch.distributed.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+class TrainerWorker:
+    def __init__(self, rank: int, world_size: int, spec: TrainerSpec):
+        _quiet_warnings()
+        import torch
+
+        torch.set_num_threads(spec.threads)
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.trainer = None
+        self.ref = None
+        self.engine = None
+        self.sync = None
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def rendezvous_address(self) -> Tuple[str, int]:
+        """(this node's IP, a free port) for the process group; called on rank 0 only."""
+        import ray
+
+        from megatron_rl.rollout.process import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int) -> Dict[str, int]:
+        from megatron_rl import parallel
+        from megatron_rl.training import PolicyTrainer
+
+        spec = self.spec
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        parallel.init_process_group(self.rank, self.world_size, init_method=f"tcp://{master_addr}:{master_port}",
+                                    backend=spec.backend)
+        groups = parallel.init_megatron_parallel(spec.layout, seed=spec.seed)
+        self.groups = groups
+        self.trainer = PolicyTrainer(spec.model, spec.train, groups, spec.optim)
+        if spec.ref_logprobs_model is not None:
+            plain = dataclasses.replace(spec.train, reference_model=None, objective=ObjectiveConfig())
+            self.ref = PolicyTrainer(spec.ref_logprobs_model, plain, groups)
+        import torch.distributed as dist
+
+        return dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+                    dp=dist.get_world_size(groups.dp))
+
+    def _reports(self) -> bool:
+        """One rank per data-parallel replica returns per-sequence results (every stage has them)."""
+        return self.groups.tp_rank == 0 and self.groups.pp_rank == 0
+
+    # ---- compute -------------------------------------------------------------------------------------
+    def forward(self, batch, objective: Optional[ObjectiveConfig] = None):
+        result = self.trainer.forward(batch, objective)
+        return (self.groups.dp_rank, result) if self._reports() else None
+
+    def ref_logprobs(self, batch):
+        result = self.ref.forward(batch)
+        return (self.groups.dp_rank, result.logprobs) if self._reports() else None
+
+    def train_step(self, batch, objective: Optional[ObjectiveConfig] = None):
+        result = self.trainer.train_step(batch, objective)
+        return result if self.rank == 0 else None
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def connect_engines(self, urls: List[str], transport: str, policy: str, ranks_per_server: int = 1,
+                        timeout_s: float = 600.0) -> None:
+        """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
+        hosts); every rank: the WeightSync that joins rank 0's gathers."""
+        from megatron_rl.rollout.weight_sync import WeightSync
+
+        if self.rank == 0:
+            import ray
+
+            from megatron_rl.parallel import default_backend
+            from megatron_rl.rollout.balancer import RemoteEngine
+            from megatron_rl.rollout.http_client import SGLangClient
+            from megatron_rl.rollout.process import free_port
+
+            clients = [SGLangClient(u, timeout_s=timeout_s) for u in urls]
+            self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
+            if transport == "distributed":
+                ip = ray.util.get_node_ip_address()
+                self.engine.init_weight_sync(ip, free_port(ip), backend=self.spec.backend or default_backend(),
+                                             ranks_per_server=ranks_per_server, timeout_s=timeout_s)
+        self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync)
+
+    def sync_weights(self, version: Any):
+        stats = self.sync.sync(version)
+        return stats if self.rank == 0 else None
+
+    def check_weights(self):
+        check = self.sync.check(what="(start-up: engines loaded from the checkpoint the trainer loaded)")
+        return check if self.rank == 0 else None
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, ckpt_cfg, extra: Dict[str, Any], step: int) -> str:
+        from megatron_rl.training.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.trainer, ckpt_cfg, extra, step=step)
+
+    def load_checkpoint(self, root: str):
+        from megatron_rl.training.checkpoint import load_checkpoint
+
+        result = load_checkpoint(self.trainer, root)
+        return result if self.rank == 0 else None
+
+    def save_hf(self, path: str) -> None:
+        from megatron_rl.models.weights import save_hf_checkpoint
+
+        save_hf_checkpoint(self.trainer.built, path)
+
+    def shutdown(self) -> None:
+        from megatron_rl import parallel
+
+        if self.engine is not None:
+            self.engine.shutdown()
+        parallel.destroy()

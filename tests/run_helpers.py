@@ -1,0 +1,44 @@
+"""Helpers of the run-level tests: tiny assets without the teacher's fine-tune, and the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
+
+
+def quick_assets(directory) -> Dict[str, str]:
+    """The tiny recipe's assets with a barely trained teacher (20 fine-tune steps, ~1 s instead of ~7 s):
+    it differs from the student, so the warm-up's gradient is not zero."""
+    from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
+
+    return prepare_tiny_arithmetic(str(directory), sft_steps=20)
+
+
+def tiny_overrides(assets: Dict[str, str], out_dir, *extra: str, steps: int = 3, warmup: int = 2) -> List[str]:
+    """A few-step version of examples/tiny_cpu.yaml on ``assets``, writing into ``out_dir``."""
+    return [
+        "prepare.kind=none", f"model.hf_path={assets['student']}", f"data.path={assets['train.jsonl']}",
+        f"warmup.teacher={assets['teacher']}", f"eval.data.path={assets['eval.jsonl']}",
+        f"logging.output_dir={out_dir}", f"steps={steps}", f"warmup.steps={warmup}",
+        "rollout.prompts_per_step=8", "train.micro_batch_size=16", "eval.interval=2", "eval.max_prompts=16",
+        "logging.progress=false", "checkpoint.keep_last=0", *extra,
+    ]
+
+
+def run_cli(args: List[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """``megatron-rl <args>`` in a fresh interpreter (the real entry point; Ray starts and stops there)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], cwd=str(REPO), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n" \
+                                 f"{proc.stderr[-8000:]}"

@@ -1,0 +1,129 @@
+"""The run config: recipes + overrides -> RunConfig, and the checks that run before anything starts.
+Every error must name the fields, their values and a fix."""
+
+import json
+
+import pytest
+
+from megatron_rl import cli
+from megatron_rl.config import RunConfig, load_run_config, resolve_mapping, build_run_config
+from megatron_rl.config_checks import check_run_config
+from megatron_rl.config_io import ConfigError
+
+from run_helpers import REPO, TINY_RECIPE, quick_assets, tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return quick_assets(tmp_path_factory.mktemp("assets"))
+
+
+def _load(assets, tmp_path, *extra):
+    return load_run_config(TINY_RECIPE, tiny_overrides(assets, tmp_path / "out", *extra))
+
+
+def test_tiny_recipe_resolves(assets, tmp_path):
+    cfg = _load(assets, tmp_path, "rollout.n_samples_per_prompt=4", "optim.lr=1e-3")
+    assert isinstance(cfg, RunConfig)
+    assert cfg.rollout.n_samples_per_prompt == 4 and cfg.optim.lr == 1e-3 and cfg.optim.schedule.lr == 1e-3
+    assert cfg.parallel.tp == 2 and cfg.parallel.dp == 1 and cfg.rollout.transport == "tensor"
+    # the warm-up teacher is the trainer's reference model; the objective switches after the warm-up
+    assert cfg.train.reference_model.hf_path == assets["teacher"]
+    assert cfg.objective_at(2).dense_kl.beta == 1.0 and cfg.objective_at(3).dense_kl.beta == 0.0
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["rollout.prompts_per_step=3", "train.micro_batch_size=16"],
+     ["rollout.prompts_per_step * rollout.n_samples_per_prompt = 3 * 8 = 24", "train.micro_batch_size = 1 * 16 = 16",
+      "make prompts_per_step a multiple of 2"]),
+    (["parallel.world_size=3"], ["parallel.world_size=3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2"]),
+    (["parallel.world_size=8", "parallel.tp=8"], ["num_attention_heads=4 is not divisible by the parallel size 8",
+                                                  "parallel (tp=8"]),
+    (["rollout.sampling.temperature=0.7"], ["rollout.sampling.temperature=0.7 and train.temperature=1.0 differ"]),
+    (["rollout.off_policy=1"], ["rollout.off_policy=1", "rollout.placement=disaggregated"]),
+    (["rollout.engine=remote"], ["rollout.engine='remote' needs rollout.urls"]),
+    (["rollout.sampling.max_new_tokens=60"], ["data.max_prompt_tokens + rollout.sampling.max_new_tokens = 16 + 60",
+                                             "max_position_embeddings=64"]),
+    (["rollout.sampling.top_p=0.9", "rollout.logprob_mode=processed"],
+     ["rollout.logprob_mode='processed'", "train.objective.dvp.enabled=False"]),
+    (["warmup.dense_kl.beta=0"], ["warmup.dense_kl.beta=0.0", "set beta > 0"]),
+    (["eval.data=null"], ["eval.interval=2 but eval.data is not set"]),
+    (["rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=16"], ["estimator='grpo'", "n_samples_per_prompt=1"]),
+])
+def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrides, needles):
+    with pytest.raises(ConfigError) as e:
+        _load(assets, tmp_path, *overrides)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_all_problems_reported_at_once(assets, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _load(assets, tmp_path, "parallel.world_size=3", "rollout.sampling.temperature=0.5", "rollout.off_policy=1")
+    assert str(e.value).startswith("3 problem(s) in the config")
+
+
+def test_tokenizer_larger_than_model_vocabulary(assets, tmp_path):
+    from megatron_rl.testing import tiny_hf_checkpoint
+
+    small = tiny_hf_checkpoint(str(tmp_path / "small"), "qwen3", vocab_size=32, max_position_embeddings=64)
+    with pytest.raises(ConfigError) as e:
+        _load(assets, tmp_path, f"model.hf_path={small}", f"tokenizer={assets['tokenizer']}",
+              f"warmup.teacher={small}")
+    assert "has 64 tokens but model.hf_path's vocab_size is 32" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model.hf_path=/nowhere/model"], "model.hf_path='/nowhere/model' is not a local HF checkpoint directory"),
+    (["warmup.teacher=/nowhere/teacher"], "warmup.teacher='/nowhere/teacher' is not a local HF checkpoint"),
+    (["data.path=/nowhere/train.jsonl"], "data.path='/nowhere/train.jsonl' does not exist"),
+    (["reward.kind=custom", "reward.custom_fn=/nowhere/r.py:fn"], "file '/nowhere/r.py' does not exist"),
+    (["rollout.n_sample_per_prompt=4"], "rollout.n_sample_per_prompt: unknown field; did you mean 'n_samples_per_prompt'?"),
+    (["rollout.placement=split"], "rollout.placement='split': expected one of ['colocated', 'disaggregated']"),
+    (["steps=ten"], "steps='ten': expected an integer"),
+])
+def test_paths_and_unknown_keys(assets, tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        _load(assets, tmp_path, *overrides)
+    assert needle in str(e.value)
+    assert "RunConfig." not in str(e.value)  # paths read as the user writes them
+
+
+def test_existing_checkpoints_need_resume_or_overwrite(assets, tmp_path):
+    (tmp_path / "out" / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="pass resume=true to continue it, overwrite=true to start over"):
+        _load(assets, tmp_path)
+    assert _load(assets, tmp_path, "resume=true").resume
+
+
+def test_gpu_recipes_are_consistent(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    for name, world, layout in (("qwen3_dense.yaml", 4, (2, 2, 1)), ("qwen3_moe.yaml", 8, (2, 1, 8))):
+        mapping = resolve_mapping(str(REPO / "examples" / name), [f"data.path={data}", f"eval.data.path={data}"]
+                                  if name == "qwen3_dense.yaml" else [f"data.path={data}"])
+        cfg = build_run_config(mapping)
+        check_run_config(cfg, files=False)  # no checkpoints here: everything but the model files
+        p = cfg.parallel
+        assert (p.world_size, (p.tp, p.pp, p.ep)) == (world, layout)
+        assert cfg.rollout.engine == "sglang" and cfg.rollout.transport == "distributed"
+        assert cfg.slurm is not None and cfg.slurm.gpus_per_node == 8
+
+
+def test_cli_dry_run_and_config_error_exit_codes(assets, tmp_path, capsys):
+    assert cli.main(["train", TINY_RECIPE, *tiny_overrides(assets, tmp_path / "out"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "n_samples_per_prompt: 8" in out and f"hf_path: {assets['student']}" in out
+    assert cli.main(["train", TINY_RECIPE, *tiny_overrides(assets, tmp_path / "out", "parallel.world_size=3"),
+                     "--dry-run"]) == 2
+    assert "parallel.world_size=3" in capsys.readouterr().err
+
+
+def test_wandb_missing_is_a_config_error(assets, tmp_path):
+    try:
+        import wandb  # noqa: F401
+        pytest.skip("wandb is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError, match=r"logging.wandb=true but wandb is not installed: `pip install wandb`"):
+        _load(assets, tmp_path, "logging.wandb=true")
