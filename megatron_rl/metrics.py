@@ -134,8 +134,10 @@ def throughput(tokens: Mapping[str, float], times: Mapping[str, float]) -> Dict[
     return out
 
 
-def progress(total: Optional[int], desc: str, enabled: bool, unit: str = "it", leave: bool = False):
+def progress(total: Optional[int], desc: str, enabled: bool, unit: str = "it", leave: bool = False,
+             scale: bool = False):
+    """``scale``: SI-prefixed counts (bytes as KiB/MiB...)."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=leave, mininterval=0.5,
-                dynamic_ncols=True)
+                dynamic_ncols=True, unit_scale=scale, unit_divisor=1024 if scale else 1000)

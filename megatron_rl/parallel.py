@@ -32,17 +32,19 @@ def init_process_group(
     init_method: Optional[str] = None,
     backend: Optional[str] = None,
     timeout_s: float = 600.0,
+    store: Optional[dist.Store] = None,
 ) -> None:
     """Initialise the default process group (no-op if already initialised).
 
     Rank, world size and rendezvous default to the usual ``RANK`` / ``WORLD_SIZE`` /
-    ``MASTER_ADDR`` / ``MASTER_PORT`` environment (torchrun, Ray workers, SLURM via our scripts).
+    ``MASTER_ADDR`` / ``MASTER_PORT`` environment (torchrun, Ray workers, SLURM via our scripts);
+    ``store`` (e.g. from :func:`rendezvous_store`) replaces ``init_method``.
     """
     if dist.is_initialized():
         return
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    if init_method is None and "MASTER_ADDR" not in os.environ:
+    if store is None and init_method is None and "MASTER_ADDR" not in os.environ:
         # Single process without a launcher: a private loopback rendezvous.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -52,10 +54,20 @@ def init_process_group(
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def rendezvous_store(host: str, port: int, world_size: int, *, is_master: bool,
+                     timeout_s: float = 600.0) -> dist.TCPStore:
+    """The rendezvous store. The master passes ``port=0``: the OS picks a port and the store holds it
+    from then on (``store.port``), so nothing can take it between choosing and binding — unlike a
+    "free port" probed first and bound later, which races with every other process starting up."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _free_port() -> int:

@@ -75,7 +75,6 @@ def _engine(target: str, path: str, sender: bool, cleanup: list):
     from megatron_rl.rollout.balancer import RemoteEngine
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.http_client import SGLangClient
-    from megatron_rl.rollout.process import free_port
     from megatron_rl.rollout.server import EmbeddedServer
 
     if not sender:
@@ -88,7 +87,7 @@ def _engine(target: str, path: str, sender: bool, cleanup: list):
     cleanup.append(server.stop)
     remote = RemoteEngine([SGLangClient(server.url)], weight_transport="distributed" if "gloo" in target else "tensor")
     if "gloo" in target:
-        remote.init_weight_sync("127.0.0.1", free_port(), backend="gloo", timeout_s=120)
+        remote.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=120)
     return remote
 
 

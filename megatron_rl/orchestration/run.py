@@ -125,6 +125,7 @@ class Run:
         import ray
 
         from megatron_rl.orchestration import placement
+        from megatron_rl.orchestration.progress import maybe_board
         from megatron_rl.orchestration.trainer_group import TrainerGroup
         from megatron_rl.rollout.balancer import RemoteEngine
         from megatron_rl.rollout.http_client import SGLangClient
@@ -134,7 +135,10 @@ class Run:
         self._owns_ray = placement.init_ray(cfg.cluster, placement.required_cpus(cfg.cluster, cfg.parallel.world_size, r))
         self.placement = placement.place(cfg.cluster, r, cfg.parallel.world_size, trainer_spec, engine_spec)
         url_refs = [e.start.remote() for e in self.placement.engines]  # engines load while trainers set up
-        self.trainers = TrainerGroup(self.placement.trainers)
+        board = maybe_board(cfg.logging.progress)
+        if board is not None:
+            self._closers.append(board.close)
+        self.trainers = TrainerGroup(self.placement.trainers, progress=board)
         self.trainers.setup()
         urls = ray.get(url_refs) if url_refs else list(r.urls)
         logger.info("rollout servers: %s", urls)

@@ -14,21 +14,23 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
 
 
 class TrainerGroup:
-    def __init__(self, workers: List[Any]):
+    def __init__(self, workers: List[Any], progress: Optional[ProgressBoard] = None):
         self.workers = workers
         self.infos: List[Dict[str, int]] = []
+        self.progress = progress  # draws the bars the ranks report while a call runs
 
     def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
         import ray
 
         refs = [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
                 for i, w in enumerate(self.workers)]
-        return ray.get(refs)
+        return ray.get(refs) if self.progress is None else self.progress.wait(refs)
 
     def _rank0(self, method: str, *args: Any) -> Any:
         return self._call(method, *args)[0]
@@ -39,6 +41,8 @@ class TrainerGroup:
 
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         self.infos = self._call("setup", addr, port)
+        if self.progress is not None:
+            self._call("set_progress", self.progress.reporter())
 
     @property
     def dp(self) -> int:

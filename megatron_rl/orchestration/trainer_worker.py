@@ -60,16 +60,19 @@ class TrainerWorker:
         self.ref = None
         self.engine = None
         self.sync = None
+        self._store = None  # rank 0: the rendezvous store it hosts
+        self.reporter = None  # progress: reports to the driver's bars (orchestration.progress)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
-        """(this node's IP, a free port) for the process group; called on rank 0 only."""
+        """(this node's IP, the port of the rendezvous store it now hosts); called on rank 0 only."""
         import ray
 
-        from megatron_rl.rollout.process import free_port
+        from megatron_rl import parallel
 
         ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
+        self._store = parallel.rendezvous_store(ip, 0, self.world_size, is_master=True)
+        return ip, self._store.port
 
     def setup(self, master_addr: str, master_port: int) -> Dict[str, int]:
         from megatron_rl import parallel
@@ -78,8 +81,9 @@ class TrainerWorker:
         spec = self.spec
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        parallel.init_process_group(self.rank, self.world_size, init_method=f"tcp://{master_addr}:{master_port}",
-                                    backend=spec.backend)
+        store = self._store or parallel.rendezvous_store(master_addr, master_port, self.world_size,
+                                                                          is_master=False)
+        parallel.init_process_group(self.rank, self.world_size, backend=spec.backend, store=store)
         groups = parallel.init_megatron_parallel(spec.layout, seed=spec.seed)
         self.groups = groups
         self.trainer = PolicyTrainer(spec.model, spec.train, groups, spec.optim)
@@ -90,6 +94,15 @@ class TrainerWorker:
 
         return dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                     dp=dist.get_world_size(groups.dp))
+
+    def set_progress(self, reporter) -> None:
+        """Bars for micro-batches (from the first replica's first TP rank: every replica runs as many)
+        and weight sync (from its sender, rank 0)."""
+        self.reporter = reporter
+        if self.groups.tp_rank == 0 and self.groups.dp_rank == 0:
+            self.trainer.progress = reporter
+        if self.sync is not None and self.rank == 0:
+            self.sync.progress = reporter
 
     def _reports(self) -> bool:
         """One rank per data-parallel replica returns per-sequence results (every stage has them)."""
@@ -121,15 +134,16 @@ class TrainerWorker:
             from megatron_rl.parallel import default_backend
             from megatron_rl.rollout.balancer import RemoteEngine
             from megatron_rl.rollout.http_client import SGLangClient
-            from megatron_rl.rollout.process import free_port
 
             clients = [SGLangClient(u, timeout_s=timeout_s) for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
             if transport == "distributed":
                 ip = ray.util.get_node_ip_address()
-                self.engine.init_weight_sync(ip, free_port(ip), backend=self.spec.backend or default_backend(),
+                self.engine.init_weight_sync(ip, 0, backend=self.spec.backend or default_backend(),
                                              ranks_per_server=ranks_per_server, timeout_s=timeout_s)
         self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync)
+        if self.rank == 0:
+            self.sync.progress = self.reporter
 
     def sync_weights(self, version: Any):
         stats = self.sync.sync(version)

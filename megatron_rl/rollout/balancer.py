@@ -82,13 +82,16 @@ class RemoteEngine(RolloutEngine):
 
     def init_weight_sync(self, master_address: str, master_port: int, backend: str = "gloo",
                          ranks_per_server: int = 1, timeout_s: float = 300.0) -> None:
-        """Host the weight group as rank 0; server ``i`` joins at ``rank_offset = 1 + i*ranks_per_server``."""
+        """Host the weight group as rank 0; server ``i`` joins at ``rank_offset = 1 + i*ranks_per_server``.
+        ``master_port=0``: a port the OS picks, bound before any server is told about it (recommended)."""
         world = 1 + ranks_per_server * len(self.clients)
-        futures = [self._pool.submit(c.init_weights_update_group, master_address, master_port,
+        store = weight_group.host_store(master_address, world, timeout_s) if master_port == 0 else None
+        port = store.port if store is not None else master_port
+        futures = [self._pool.submit(c.init_weights_update_group, master_address, port,
                                      1 + i * ranks_per_server, world, self._group_name, backend)
                    for i, c in enumerate(self.clients)]
-        self._group = weight_group.create_weight_group(master_address, master_port, 0, world, backend,
-                                                       self._group_name, timeout_s)
+        self._group = weight_group.create_weight_group(master_address, port, 0, world, backend,
+                                                       self._group_name, timeout_s, store=store)
         for f in futures:
             f.result()
 

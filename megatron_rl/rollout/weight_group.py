@@ -14,20 +14,29 @@ raw ``ProcessGroup.broadcast`` calls below instead of ``dist.broadcast``.
 from __future__ import annotations
 
 import datetime
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 
+def host_store(master_address: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0's store on a port the OS picks and the store holds (``.port``): no race with other
+    processes for a port probed as free and bound later."""
+    return dist.TCPStore(master_address, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def create_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
                         backend: str = "gloo", group_name: str = "weight_sync",
-                        timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """Join (rank > 0) or host (rank 0) the weight-sync group; blocks until all ``world_size`` ranks arrive."""
+                        timeout_s: float = 300.0, store: Optional[dist.TCPStore] = None) -> dist.ProcessGroup:
+    """Join (rank > 0) or host (rank 0) the weight-sync group; blocks until all ``world_size`` ranks arrive.
+    Rank 0 may pass the ``store`` it already hosts (:func:`host_store`)."""
     if not (0 <= rank < world_size):
         raise ValueError(f"rank={rank} outside world_size={world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)

@@ -166,13 +166,16 @@ def iter_buckets(named: Iterable[Tuple[str, torch.Tensor]], max_bytes: int,
 
 
 class _Meter:
-    """Wraps the sender's bucket stream: bucket sizes, time spent producing, a progress bar over bytes."""
+    """Wraps the sender's bucket stream: bucket sizes, time spent producing, a progress bar over bytes
+    (drawn here, or by whoever ``report(desc, done, total, unit)`` reports to)."""
 
-    def __init__(self, total_bytes: int, desc: str, progress: bool):
+    def __init__(self, total_bytes: int, desc: str, progress: bool, report=None):
         from tqdm import tqdm
 
+        self.desc, self.total, self.report = desc, total_bytes, report if progress else None
+        self.sent = 0
         self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                        disable=not progress, mininterval=0.5, leave=False)
+                        disable=not progress or report is not None, mininterval=0.5, leave=False)
         self.gather_s = 0.0
         self.bucket_bytes: List[int] = []
         self.bucket_tensors: List[int] = []
@@ -185,7 +188,10 @@ class _Meter:
             self.bucket_bytes.append(nbytes)
             self.bucket_tensors.append(len(bucket))
             yield bucket
-            self.bar.update(nbytes)  # the engine asked for the next bucket: this one is through
+            self.sent += nbytes  # the engine asked for the next bucket: this one is through
+            self.bar.update(nbytes)
+            if self.report is not None:
+                self.report(self.desc, self.sent, self.total, "B")
             t = time.perf_counter()
 
     def close(self) -> None:
@@ -324,6 +330,7 @@ class WeightSync:
         self.world = dist.get_world_size(group) if distributed else 1
         self.sender_rank = sender_rank
         self.is_sender = self.rank == sender_rank
+        self.progress = None  # optional report(desc, done, total, unit), e.g. a driver-side bar (sender only)
         if self.is_sender and engine is None:
             raise ValueError(f"rank {self.rank} is the weight-sync sender (sender_rank={sender_rank}): give it the "
                              "rollout engine")
@@ -386,7 +393,7 @@ class WeightSync:
         return stats
 
     def _send(self, source: Iterator[Tuple[str, torch.Tensor]], version: str) -> SyncStats:
-        meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress)
+        meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress, self.progress)
         error: Optional[BaseException] = None
         # Producing a bucket runs collectives, so the engine must pull buckets from this thread, one at a
         # time (EmbeddedEngine and RemoteEngine do; RemoteEngine's pool threads only do the HTTP calls).

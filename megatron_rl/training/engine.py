@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,8 @@ class PolicyTrainer:
         self.step = 0  # successful optimizer steps
         self.skipped_steps = 0
         self.lr: Optional[float] = None
+        # progress(desc, done, total, unit): set by the caller that draws bars (one rank per job suffices)
+        self.progress: Optional[Callable[[str, int, int, str], None]] = None
 
     # ------------------------------------------------------------------------------------------
     # Public API
@@ -175,7 +177,8 @@ class PolicyTrainer:
         self.ddp.train()
         tracker = self.routing.tracker(batch)
         with self.routing.routes(self.built, mbs, tracker) as set_routes:
-            payloads = run_micro_batches(self.ddp, mbs, loss_fn, forward_only=False, before_forward=set_routes)
+            payloads = run_micro_batches(self.ddp, mbs, loss_fn, forward_only=False, before_forward=set_routes,
+                                         on_micro_batch=self._ticker("train micro-batches", len(mbs)))
         loss, n_bad = self._step_loss(payloads)
         applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad,
                                           math.isfinite(loss) and n_bad == 0)
@@ -297,7 +300,12 @@ class PolicyTrainer:
         stage = self.ddp if self.ddp is not None else self.built.module
         stage.eval()
         with self.routing.routes(self.built, mbs, tracker) as set_routes:
-            return run_micro_batches(stage, mbs, loss_fn, forward_only=True, before_forward=set_routes)
+            return run_micro_batches(stage, mbs, loss_fn, forward_only=True, before_forward=set_routes,
+                                     on_micro_batch=self._ticker("forward micro-batches", len(mbs)))
+
+    def _ticker(self, desc: str, total: int) -> Optional[Callable[[int], None]]:
+        report = self.progress
+        return None if report is None else (lambda done: report(desc, done, total, "mb"))
 
     def _result_keys(self) -> List[str]:
         keys = ["logprobs", "entropy", "sum_pi_squared"]

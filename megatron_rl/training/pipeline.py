@@ -24,11 +24,13 @@ LossFn = Callable[[Tensor, MicroBatch, int], Tuple[Tensor, Any]]
 
 
 def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool,
-                      before_forward: Optional[Callable[[MicroBatch], None]] = None) -> List[Any]:
+                      before_forward: Optional[Callable[[MicroBatch], None]] = None,
+                      on_micro_batch: Optional[Callable[[int], None]] = None) -> List[Any]:
     """Forward (and unless ``forward_only`` backward) every micro-batch through ``model``'s pipeline.
 
     ``model`` is this rank's stage (a GPTModel or its DDP wrapper). ``before_forward(mb)`` runs on every
     stage right before each micro-batch's forward (e.g. to set the routing-replay ids).
+    ``on_micro_batch(done)`` runs on the last stage once each micro-batch's loss is computed (progress).
     Gradients accumulate into the DDP buffers; ``finalize_model_grads`` (set on the model config) runs
     once at the end of a backward schedule.
     """
@@ -44,6 +46,8 @@ def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossF
 
         def loss_func(logits: Tensor):
             loss, payload = loss_fn(logits, mb, k)
+            if on_micro_batch is not None:
+                on_micro_batch(k + 1)
             # The schedule divides the returned loss in place: never hand it a tensor the payload shares.
             return loss.clone() if forward_only else loss, payload
 

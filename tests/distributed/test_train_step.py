@@ -62,7 +62,11 @@ def _skip_child(path):
             all(torch.equal(p, params[n]) for n, p in trainer.module.named_parameters())
             and all(all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(_optimizer_state(trainer), opt_state))
             and trainer.schedule.state_dict() == schedule and trainer.step == 1)
+    calls = []
+    trainer.progress = lambda *a: calls.append(a)
     out["after"] = trainer.train_step(batch)
+    trainer.forward(batch)
+    out["progress"], out["last_stage"] = calls, trainer.built.post_process
     return out
 
 
@@ -152,6 +156,9 @@ def test_non_finite_steps_are_skipped_and_change_nothing(tmp_path):
         # Training resumes where it stopped: step 2 with the schedule's second LR.
         assert not after.skipped and after.step == 2 and after.lr == pytest.approx(2e-2 / 3)
         assert after.metrics["train/skipped_steps"] == 2
+        # progress ticks: one per micro-batch (4 sequences / 2), on the stage that computes the loss
+        expected = [(f"{p} micro-batches", k, 2, "mb") for p in ("train", "forward") for k in (1, 2)]
+        assert out["progress"] == (expected if out["last_stage"] else [])
 
 
 @pytest.mark.timeout(300)

@@ -140,7 +140,6 @@ def _transports_child(path):
     from megatron_rl.rollout.balancer import RemoteEngine
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
-    from megatron_rl.rollout.process import free_port
     from megatron_rl.rollout.server import EmbeddedServer
     from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
 
@@ -164,7 +163,7 @@ def _transports_child(path):
         remote = None
         if sender:
             remote = RemoteEngine(clients[:1], weight_transport="distributed")
-            remote.init_weight_sync("127.0.0.1", free_port(), backend="gloo", timeout_s=60)
+            remote.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=60)
         out["distributed"] = WeightSync(built, remote, cfg).sync(version="d1").check.max_abs_diff
         # a bf16 engine: tensors cast on the trainer side (half the bytes), looser tolerance
         bf16 = EmbeddedEngine.from_pretrained(path, dtype=torch.bfloat16) if sender else None

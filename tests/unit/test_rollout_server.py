@@ -12,7 +12,6 @@ import torch
 from megatron_rl.rollout.balancer import RemoteEngine
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.http_client import RequestRejected, RetryPolicy, SGLangClient
-from megatron_rl.rollout.process import free_port
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.server import EmbeddedServer
 
@@ -149,7 +148,7 @@ def test_update_weights_from_tensor_over_http(dense_server):
 def test_update_weights_from_distributed_over_gloo(dense_server):
     client = SGLangClient(dense_server.url, retry=FAST)
     engine = RemoteEngine([client], weight_transport="distributed")
-    engine.init_weight_sync("127.0.0.1", free_port(), backend="gloo", timeout_s=60)
+    engine.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=60)
     weights = other_weights(tiny_qwen3, seed=1)
     engine.update_weights([weights[:5], weights[5:]], version="d1")
     for name, t in weights:
