@@ -191,7 +191,7 @@ class LoggingConfig:
     wandb_project: str = "megatron-rl"
     wandb_run_name: Optional[str] = None
     jsonl: bool = True
-    progress: bool = True  # progress bars (rollout requests, steps); weight sync: rollout.weight_sync.progress
+    progress: bool = True  # bars: rollout requests, rewards, train/forward micro-batches, weight sync (+ its own switch)
     print_samples: int = 1  # responses printed per step (0: none)
 
 
@@ -216,6 +216,7 @@ class PrepareConfig:
     kind: Literal["none", "tiny_arithmetic"] = "none"
     dir: str = "runs/assets"
     seed: int = 0
+    model: Literal["qwen3", "qwen3_moe"] = "qwen3"  # tiny_arithmetic: dense, or the MoE variant (8 experts, top-2)
 
 
 @dataclass
@@ -325,7 +326,10 @@ def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, pre
         if prep.kind == "tiny_arithmetic":
             from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
 
-            prepare_tiny_arithmetic(prep.dir, seed=prep.seed)
+            try:
+                prepare_tiny_arithmetic(prep.dir, seed=prep.seed, model=prep.model)
+            except ValueError as e:  # e.g. the directory holds the other model kind's assets
+                raise config_io.ConfigError(str(e)) from None
     cfg = build_run_config(mapping)
     if check:
         from megatron_rl.config_checks import check_run_config

@@ -115,6 +115,20 @@ def _objective(cfg: RunConfig, out: List[str]) -> None:
     if cfg.train.routing_replay and r.engine == "remote":
         out.append("train.routing_replay=true needs the rollout's expert choices: start the remote SGLang servers "
                    "with --enable-return-routed-experts (only engine 'embedded' or 'sglang' are checked here)")
+    if obj.routing_mask.enabled and not cfg.train.routing_replay:
+        out.append("train.objective.routing_mask.enabled=true compares the trainer's routing with the engine's, but "
+                   "the run asks the engines for their expert choices only with train.routing_replay=true; set "
+                   "train.routing_replay=true or disable the mask")
+    routing = _routing_fields(cfg)
+    if routing and not cfg.model.routing_replay:
+        out.append(f"{' and '.join(f + '=true' for f in routing)} but model.routing_replay=false builds the routers "
+                   "without Megatron's RouterReplay, which replay and the mask read; set model.routing_replay=true")
+
+
+def _routing_fields(cfg: RunConfig) -> List[str]:
+    """The enabled fields that need an MoE model with router access."""
+    return [f for f, on in (("train.routing_replay", cfg.train.routing_replay),
+                            ("train.objective.routing_mask.enabled", cfg.train.objective.routing_mask.enabled)) if on]
 
 
 def _warmup(cfg: RunConfig, out: List[str]) -> None:
@@ -213,5 +227,8 @@ def _model_files(cfg: RunConfig, out: List[str]) -> None:
     except ValueError as e:
         out.append(f"parallel (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, ep={cfg.parallel.ep}) does not fit "
                    f"model.hf_path: {e}")
-    if cfg.train.routing_replay and not arch.is_moe:
-        out.append("train.routing_replay=true but model.hf_path is a dense model; set it to false")
+    routing = _routing_fields(cfg)
+    if routing and not arch.is_moe:
+        out.append(f"{' and '.join(f + '=true' for f in routing)} but model.hf_path={cfg.model.hf_path!r} is a dense "
+                   f"{arch.model_type!r} model (no experts to route); set {' and '.join(routing)} to false, or use an "
+                   "MoE model (e.g. the tiny recipe's prepare.model=qwen3_moe)")

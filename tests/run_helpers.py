@@ -10,14 +10,16 @@ from typing import Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
+MOE_RECIPE = str(REPO / "examples" / "tiny_cpu_moe.yaml")
 
 
-def quick_assets(directory) -> Dict[str, str]:
+def quick_assets(directory, model: str = "qwen3") -> Dict[str, str]:
     """The tiny recipe's assets with a barely trained teacher (20 fine-tune steps, ~1 s instead of ~7 s):
-    it differs from the student, so the warm-up's gradient is not zero."""
+    it differs from the student, so the warm-up's gradient is not zero. ``model="qwen3_moe"``: the MoE
+    recipe's."""
     from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
 
-    return prepare_tiny_arithmetic(str(directory), sft_steps=20)
+    return prepare_tiny_arithmetic(str(directory), model=model, sft_steps=20)
 
 
 def tiny_overrides(assets: Dict[str, str], out_dir, *extra: str, steps: int = 3, warmup: int = 2) -> List[str]:

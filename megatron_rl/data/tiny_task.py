@@ -6,10 +6,14 @@
   train.jsonl     1024 single-digit additions ``{"prompt": "3+4=", "answer": "7"}``
   eval.jsonl      all 100 distinct additions (exhaustive greedy evaluation)
   student/        a randomly initialised tiny Qwen3 (vocab 64, hidden 64, 2 layers, 4 heads, 2 KV heads,
-                  head_dim 16, MLP 128, tied embeddings; ~0.1M parameters) + tokenizer: the policy
+                  head_dim 16, MLP 128, tied embeddings; ~0.1M parameters) + tokenizer: the policy.
+                  ``model="qwen3_moe"``: a tiny Qwen3-MoE instead, the same but for the MLP: 8 experts of
+                  width 32 per layer, top-2 (``TINY_QWEN3_MOE``; the MoE recipe examples/tiny_cpu_moe.yaml)
   teacher/        the student after a short supervised fine-tune on the answers (AdamW, 400 steps,
-                  a few seconds on a CPU; 100 % greedy accuracy): the imitation warm-up's teacher
-  READY.json      the parameters and the teacher's accuracy; present = complete (written last)
+                  a few seconds on a CPU, about a minute for the MoE model whose HF experts run one by
+                  one; 100 % greedy accuracy): the imitation warm-up's teacher
+  READY.json      the parameters (incl. the model kind) and the teacher's accuracy; present = complete
+                  (written last). A directory holds one model kind: asking it for another is an error.
 
 Why a teacher: from a random init the exact-match reward is ~0 for every sample, so every GRPO group
 has equal rewards and no gradient. A few steps of the dense imitation gradient (reverse KL to the
@@ -31,22 +35,40 @@ logger = logging.getLogger(__name__)
 TINY_QWEN3 = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=64,
                   rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# The MoE variant: the dense model's attention and embeddings; each layer's MLP is 8 experts of width 32 with
+# top-2 routing (renormalised weights, as Qwen3-MoE): 2 x 32 active MLP width per token (the dense model's 128
+# halved), while routing has real choices to replay; 8 experts split evenly over EP=2 or 4
+TINY_QWEN3_MOE = dict(TINY_QWEN3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+MODELS = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3),
+          "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE)}
 _VERSION = 1  # bump when the assets change, so stale directories are rebuilt
 
 
-def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, num_train: int = 1024, sft_steps: int = 400,
-                            sft_lr: float = 3e-3, sft_batch: int = 32) -> Dict[str, str]:
-    """Build the assets under ``directory`` unless a complete set with these parameters is there."""
+def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, model: str = "qwen3", num_train: int = 1024,
+                            sft_steps: int = 400, sft_lr: float = 3e-3, sft_batch: int = 32) -> Dict[str, str]:
+    """Build the assets under ``directory`` unless a complete set with these parameters is there.
+    ``model``: ``qwen3`` (dense) or ``qwen3_moe``; a directory already holding the other kind raises
+    ValueError (dense and MoE assets never share a directory)."""
+    if model not in MODELS:
+        raise ValueError(f"prepare.model={model!r}: expected one of {sorted(MODELS)}")
     params = dict(version=_VERSION, seed=seed, num_train=num_train, sft_steps=sft_steps, sft_lr=sft_lr,
-                  sft_batch=sft_batch, model=TINY_QWEN3)
+                  sft_batch=sft_batch, model=MODELS[model][2])
+    if model != "qwen3":  # the dense READY.json predates the field: absent means qwen3 (dense assets unchanged)
+        params["model_kind"] = model
     paths = {name: os.path.join(directory, name) for name in ("tokenizer", "train.jsonl", "eval.jsonl", "student",
                                                                "teacher")}
     ready = os.path.join(directory, "READY.json")
     if os.path.isfile(ready):
         with open(ready) as f:
-            if json.load(f).get("params") == params:
-                return paths
-    logger.info("preparing the tiny arithmetic assets in %s", directory)
+            held = json.load(f).get("params") or {}
+        if held == params:
+            return paths
+        held_kind = held.get("model_kind", "qwen3")
+        if held_kind != model:
+            raise ValueError(f"prepare.dir={directory!r} holds tiny {held_kind} assets but prepare.model={model!r}; "
+                             f"use another prepare.dir for {model} (e.g. runs/tiny_assets_moe) or delete {directory}")
+    logger.info("preparing the tiny arithmetic assets (%s) in %s", model, directory)
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(ready):
         os.remove(ready)
@@ -55,24 +77,25 @@ def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, num_train: int = 1
     tok = make_tiny_tokenizer(paths["tokenizer"])
     write_arithmetic_dataset(paths["train.jsonl"], num_problems=num_train, seed=seed)
     write_jsonl(paths["eval.jsonl"], all_problems())
-    student = _student(seed)
+    student = _student(seed, model)
     _save(student, tok, paths["student"])
-    teacher = _student(seed)
+    teacher = _student(seed, model)
     accuracy = _supervised_fine_tune(teacher, tok, seed, sft_steps, sft_lr, sft_batch)
     _save(teacher, tok, paths["teacher"])
     with open(ready + ".tmp", "w") as f:
         json.dump({"params": params, "teacher_greedy_accuracy": accuracy}, f, indent=1)
     os.replace(ready + ".tmp", ready)
-    logger.info("tiny assets ready (teacher greedy accuracy %.2f)", accuracy)
+    logger.info("tiny %s assets ready (teacher greedy accuracy %.2f)", model, accuracy)
     return paths
 
 
-def _student(seed: int):
+def _student(seed: int, model: str = "qwen3"):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    config_cls, model_cls, fields = MODELS[model]
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3)).float()
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).float()
 
 
 def _save(model, tok, path: str) -> None:

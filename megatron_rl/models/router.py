@@ -152,6 +152,8 @@ class RoutingReplayer:
 
     ``shadow`` (with ``replay_routing(..., shadow=True)``): the experts each router would have chosen
     itself in the replayed forwards, one ``[tokens, topk]`` entry per forward (recomputes excluded).
+    ``replayed``: (token, layer) pairs whose experts were forced (not :data:`FREE`) in this rank's
+    forwards, recomputes excluded; this rank's tokens only (a sequence-parallel shard of them).
     """
 
     def __init__(self, built: BuiltModel, shadow: bool = False) -> None:
@@ -162,6 +164,7 @@ class RoutingReplayer:
         self.shadow: Optional[RoutingRecord] = RoutingRecord() if shadow else None
         self._target: Dict[int, Optional[Tuple[torch.Tensor, bool]]] = {i: None for i, _, _ in self._routers}
         self._queue: Dict[int, List[Tuple[torch.Tensor, bool]]] = {i: [] for i, _, _ in self._routers}
+        self.replayed = 0
 
     def set(self, topk_ids: Mapping[int, torch.Tensor]) -> None:
         """``{global layer: [tokens, topk]}`` for (at least) every local MoE layer, full sequence; rows of
@@ -202,6 +205,7 @@ class RoutingReplayer:
                 recompute = False
                 if self._recompute:
                     self._queue[layer].append(target)
+                self.replayed += int((ids[:, 0] != FREE).sum()) if has_free else ids.shape[0]
             if ids.shape[0] != scores.shape[0]:
                 # Counts in full-sequence terms (each sequence-parallel rank holds 1/sp_size of them).
                 raise ValueError(

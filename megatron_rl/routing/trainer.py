@@ -8,7 +8,9 @@
   when ``objective.routing_mask`` is on and the batch does not carry it (pass
   ``ForwardResult.routing_disagreement`` along with ``old_logprobs`` to avoid the extra pass).
 * metrics: ``routing/agreement_layer{i}``, ``routing/agreement_mean``, ``routing/mismatch_k3``,
-  ``routing/logprob_abs_diff`` every step; ``routing/no_replay/*`` with
+  ``routing/logprob_abs_diff`` every step; ``routing/replayed_tokens`` with replay (token positions whose
+  experts the train step's forward forced, over the whole batch: each one counted once per MoE layer
+  it was forced at, divided by the number of MoE layers); ``routing/no_replay/*`` with
   ``routing_diagnostics.without_replay`` (one more forward-only pass, before the update).
 
 All metrics are global (reduced over DP and PP) and identical on every rank.
@@ -21,6 +23,7 @@ import dataclasses
 from typing import Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.models.router import record_routing, replay_routing, tokens_from_batch_major
 from megatron_rl.routing.agreement import AgreementTracker, mismatch_metrics, mismatch_sums, reduce_sum
@@ -42,6 +45,7 @@ class TrainerRouting:
         self.available = _router_access(built)
         self.moe_layers = _moe_layers(built)
         self.layout = RoutingLayout.from_arch(built.arch) if built.arch.is_moe else None
+        self._replayed: Optional[int] = None  # (token, layer) pairs the last replayed pass of the policy forced
         if trainer.cfg.routing_replay and not self.available:
             raise ValueError("train.routing_replay needs an MoE model built with ModelConfig.routing_replay=True")
         if trainer.cfg.objective.routing_mask.enabled and not self.available:
@@ -94,6 +98,8 @@ class TrainerRouting:
                     order.append(mb)
 
                 yield set_routes
+            if built is self._t.built:  # not the reference model's pass
+                self._replayed = replayer.replayed
             if tracker is not None:
                 tracker.collect(order, replayer.shadow)
         elif tracker is not None:
@@ -163,6 +169,15 @@ class TrainerRouting:
             metrics.update(mismatch_metrics(reduce_sum(sums, t.groups.pp, t.groups.dp), prefix="routing/no_replay/"))
         return metrics
 
+    def _replayed_tokens(self, pairs: int) -> float:
+        """Forced (token, layer) pairs of one pass, summed over the job, per MoE layer (collective). Each
+        rank routes its own tokens (a DP/CP share, a sequence-parallel shard of TP) at its own stage's
+        layers, so the sum runs over DP x CP, PP and, with sequence parallelism, TP."""
+        g, built = self._t.groups, self._t.built
+        sp = built.tconfig.sequence_parallel and dist.get_world_size(g.tp) > 1
+        t = reduce_sum(torch.tensor([float(pairs)], dtype=torch.float64), g.tp if sp else None, g.pp, g.dp_cp)
+        return float(t) / max(len(self.moe_layers), 1)
+
     def after_step(self, batch, tracker: Optional[AgreementTracker], step_metrics: Dict[str, float],
                    pre: Dict[str, float]) -> Dict[str, float]:
         """The step's ``routing/*`` metrics (collective): agreement of the step's forward, the with-replay
@@ -173,6 +188,9 @@ class TrainerRouting:
         out = dict(pre)
         if tracker is not None:
             out.update(tracker.finalize(self._t.groups, tokens=False)[1])
+        if self.cfg.routing_replay and self._replayed is not None:
+            out["routing/replayed_tokens"] = self._replayed_tokens(self._replayed)
+            self._replayed = None
         for src, dst in (("mismatch/k3", "routing/mismatch_k3"), ("mismatch/abs_diff", "routing/logprob_abs_diff")):
             if src in step_metrics:
                 out[dst] = step_metrics[src]

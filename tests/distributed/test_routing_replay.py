@@ -210,3 +210,8 @@ def test_replay_is_invariant_under_ep_pp_and_recompute(moe_path):
         for k, v in base["metrics"].items():
             assert run["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, k)
     assert base["metrics"]["routing/no_replay/agreement_mean"] < 1.0
+    # every layout forced the engine's experts at every routed position of the batch, once per MoE layer
+    from megatron_rl.routing import FREE
+
+    routed = batch.routed_experts[..., 0] != FREE  # [B, S, layers]
+    assert base["metrics"]["routing/replayed_tokens"] == routed.sum().item() / routed.shape[-1] > 0

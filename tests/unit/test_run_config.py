@@ -10,7 +10,7 @@ from megatron_rl.config import RunConfig, load_run_config, resolve_mapping, buil
 from megatron_rl.config_checks import check_run_config
 from megatron_rl.config_io import ConfigError
 
-from run_helpers import REPO, TINY_RECIPE, quick_assets, tiny_overrides
+from run_helpers import MOE_RECIPE, REPO, TINY_RECIPE, quick_assets, tiny_overrides
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,38 @@ def test_tiny_recipe_resolves(assets, tmp_path):
     (["warmup.dense_kl.beta=0"], ["warmup.dense_kl.beta=0.0", "set beta > 0"]),
     (["eval.data=null"], ["eval.interval=2 but eval.data is not set"]),
     (["rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=16"], ["estimator='grpo'", "n_samples_per_prompt=1"]),
+    (["train.routing_replay=true"], ["train.routing_replay=true but model.hf_path=", "is a dense 'qwen3' model",
+                                     "set train.routing_replay to false", "prepare.model=qwen3_moe"]),
+    (["train.objective.routing_mask.enabled=true"], ["train.objective.routing_mask.enabled=true compares",
+                                                     "set train.routing_replay=true"]),
+    (["train.routing_replay=true", "model.routing_replay=false"], ["train.routing_replay=true but "
+                                                                   "model.routing_replay=false"]),
 ])
 def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrides, needles):
     with pytest.raises(ConfigError) as e:
         _load(assets, tmp_path, *overrides)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_tiny_moe_assets_keep_their_own_directory(assets, tmp_path):
+    """prepare.model picks the tiny model; a directory of one kind is never reused for the other."""
+    from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
+    from megatron_rl.models.build import load_arch
+
+    moe = prepare_tiny_arithmetic(str(tmp_path / "moe"), model="qwen3_moe", sft_steps=2)
+    arch = load_arch(moe["student"])
+    assert (arch.model_type, arch.num_experts, arch.moe_topk, arch.moe_layers) == ("qwen3_moe", 8, 2, (True, True))
+    assert json.loads((tmp_path / "moe" / "READY.json").read_text())["params"]["model_kind"] == "qwen3_moe"
+    assert prepare_tiny_arithmetic(str(tmp_path / "moe"), model="qwen3_moe", sft_steps=2) == moe  # present: reused
+    dense_dir = assets["student"].rsplit("/", 1)[0]
+    with pytest.raises(ConfigError, match=r"holds tiny qwen3 assets but prepare.model='qwen3_moe'; use another "
+                                          r"prepare.dir"):
+        load_run_config(TINY_RECIPE, ["prepare.kind=tiny_arithmetic", f"prepare.dir={dense_dir}",
+                                      "prepare.model=qwen3_moe"], check=False)
+    # the MoE recipe resolves on these assets: replay + mask on an MoE model pass every check
+    cfg = load_run_config(MOE_RECIPE, tiny_overrides(moe, tmp_path / "out"))
+    assert cfg.train.routing_replay and cfg.train.objective.routing_mask.enabled and cfg.parallel.ep == 2
 
 
 def test_all_problems_reported_at_once(assets, tmp_path):
