@@ -105,6 +105,8 @@ class RolloutConfig:
                             their memory while the trainer runs) or ``disaggregated`` (own bundles).
     off_policy:             0: synchronous; 1: the next step's rollout overlaps this step's training (one
                             step stale; the decoupled / rollout-correction loss handles it).
+    embedded_dtype:         the embedded engine's weights: ``float32``, or ``bfloat16`` like a production
+                            engine (a real training-inference mismatch, e.g. MoE routing that differs).
     """
 
     engine: Literal["embedded", "sglang", "remote"] = "embedded"
@@ -127,6 +129,7 @@ class RolloutConfig:
     weight_transport: Literal["auto", "tensor", "distributed"] = "auto"
     placement: Literal["colocated", "disaggregated"] = "colocated"
     off_policy: int = 0
+    embedded_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1 or self.num_engines < 1:

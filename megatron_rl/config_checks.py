@@ -93,6 +93,11 @@ def _rollout(cfg: RunConfig, out: List[str]) -> None:
             out.append(f"rollout.seeded=true needs SGLang's pytorch sampler (its flashinfer sampler refuses seeds), but "
                        f"rollout.sglang.sampling_backend={r.sglang.sampling_backend!r}; set it to 'pytorch' or "
                        "rollout.seeded=false")
+    ws = r.weight_sync
+    if r.engine == "embedded" and r.embedded_dtype == "bfloat16" and ws.check and ws.check_tolerance < 0.1:
+        out.append(f"rollout.embedded_dtype='bfloat16' engines differ from the fp32 trainer by ~0.02-0.08 in probe "
+                   f"log-probs, above rollout.weight_sync.check_tolerance={ws.check_tolerance:g}; set it to 0.25 (MoE: more, a "
+                   "probe token whose experts flip in bf16 can differ by ~1)")
     t_roll, t_train = r.sampling.temperature, cfg.train.temperature
     if t_roll != t_train:
         out.append(f"rollout.sampling.temperature={t_roll} and train.temperature={t_train} differ: the trainer must "

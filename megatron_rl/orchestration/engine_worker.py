@@ -31,6 +31,7 @@ class EngineSpec:
     host: str = "127.0.0.1"
     threads: int = 1
     routed_experts: bool = False
+    dtype: str = "float32"  # embedded engine weights
     log_dir: str = "."
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -72,7 +73,7 @@ class EngineWorker:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         engine = EmbeddedEngine.from_pretrained(
             spec.model_path, EmbeddedEngineConfig(logprob_mode=spec.logprob_mode, seed=spec.seed, max_batch_rows=256),
-            device=device)
+            dtype=getattr(torch, spec.dtype), device=device)
         self.server = EmbeddedServer(engine, host=spec.host, port=0).start()
         return self._advertised(self.server.url)
 

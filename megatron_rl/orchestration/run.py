@@ -104,7 +104,7 @@ class Run:
         from megatron_rl.orchestration.engine_worker import EngineSpec
         from megatron_rl.orchestration.trainer_worker import TrainerSpec
 
-        cfg = self.cfg
+        cfg, r = self.cfg, self.cfg.rollout
         kl = cfg.train.objective.kl_penalty
         ref_lp = None
         if kl.coef > 0 and kl.estimator != "exact":  # sample-based KL needs log pi_ref of the sampled tokens
@@ -115,10 +115,10 @@ class Run:
                               ref_logprobs_model=ref_lp)
         engine = None
         if cfg.rollout.engine != "remote":
-            engine = EngineSpec(kind=cfg.rollout.engine, model_path=cfg.model.hf_path,
-                                logprob_mode=cfg.rollout.logprob_mode, seed=cfg.seed, host=cfg.rollout.host,
+            engine = EngineSpec(kind=r.engine, model_path=cfg.model.hf_path, logprob_mode=r.logprob_mode,
+                                seed=cfg.seed, host=r.host,
                                 threads=cfg.cluster.threads_per_worker, routed_experts=cfg.train.routing_replay,
-                                log_dir=cfg.output_dir, sglang=cfg.rollout.sglang)
+                                dtype=r.embedded_dtype, log_dir=cfg.output_dir, sglang=r.sglang)
         return trainer, engine
 
     def _start_workers(self) -> None:

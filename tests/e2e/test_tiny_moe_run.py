@@ -5,7 +5,7 @@ trainer replaying them in the old-log-prob pass and the train step, the routing 
 Two warm-up steps and one GRPO step (dynamic sampling off: a random student scores 0 everywhere, and the
 step must still train through the RL objective). Checks: metrics on disk, finite rewards, routing agreement
 per MoE layer in [0, 1], replay applied to every routed token of the batch (``routing/replayed_tokens``), the
-log-prob mismatch with replay at float32 round-off (engine and trainer both fp32 on the same weights), a
+log-prob mismatch with replay at float32 round-off (the engine pinned to fp32, like the trainer), a
 checkpoint.
 """
 
@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def test_moe_recipe_runs_with_routing_replay(tmp_path):
     assets = quick_assets(tmp_path / "assets", model="qwen3_moe")
     out = tmp_path / "run"
+    # an fp32 engine (pinned, whatever the recipe says): replay must reproduce its log-probs to round-off
     check_ok(run_cli(["train", MOE_RECIPE, *tiny_overrides(assets, out, "rollout.dynamic_sampling=false",
+                                                           "rollout.embedded_dtype=float32",
                                                            "checkpoint.save_hf=false", steps=3, warmup=2)]))
     lines = read_metrics(str(out))
     assert [m["step"] for m in lines] == [0, 1, 2, 3]

@@ -53,6 +53,8 @@ def test_tiny_recipe_resolves(assets, tmp_path):
                                      "set train.routing_replay to false", "prepare.model=qwen3_moe"]),
     (["train.objective.routing_mask.enabled=true"], ["train.objective.routing_mask.enabled=true compares",
                                                      "set train.routing_replay=true"]),
+    (["rollout.embedded_dtype=bfloat16"], ["rollout.embedded_dtype='bfloat16'",
+                                           "rollout.weight_sync.check_tolerance=0.0001", "set it to 0.25"]),
     (["train.routing_replay=true", "model.routing_replay=false"], ["train.routing_replay=true but "
                                                                    "model.routing_replay=false"]),
 ])
