@@ -33,6 +33,11 @@ log() { echo "[$(date +%H:%M:%S)] [megatron-rl] $*"; }
 # ---- environment: setup lines, then env vars (inherited by every srun step below)
 {{ setup }}
 export RAY_USAGE_STATS_ENABLED=0
+# Ray token auth with one random token per job, in the environment every srun step inherits. Left to
+# itself Ray decides per process: `ray start` turns auth on when it finds ~/.ray/auth_token, a client
+# whose HOME differs (or lacks the file) does not, and the driver is refused.
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(32))')}
 # ray start --block "drains" for up to 30 s on SIGTERM; this job tears the whole cluster down anyway.
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
 {{ env }}

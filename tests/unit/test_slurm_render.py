@@ -38,6 +38,8 @@ def test_rendered_script_has_resources_trap_ports_and_interface():
     assert "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$iface}" in text and "GLOO_SOCKET_IFNAME" in text
     assert "NETWORK_INTERFACE=ib0" in text and "export NCCL_DEBUG=INFO" in text
     assert "source /venv/bin/activate" in text
+    # one Ray auth mode and token for the whole job (a stray ~/.ray/auth_token must not split it)
+    assert "export RAY_AUTH_MODE=token" in text and "export RAY_AUTH_TOKEN=" in text
     assert "TRAIN_COMMAND='python3 train.py --steps 3'" in text
     # no name-based killing anywhere (it would hit other jobs' Ray on shared nodes)
     assert not re.search(r"\b(pkill|killall)\b|ray stop\b(?!`)", text.replace("`ray stop`/`pkill`", ""))
