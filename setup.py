@@ -32,6 +32,8 @@ setup(
     extras_require={
         "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
         "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23"],
+        # tools/bench_rl_step.py only (the TRL GRPOTrainer side of the comparison); adds accelerate
+        "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

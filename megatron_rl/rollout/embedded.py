@@ -253,7 +253,7 @@ class EmbeddedEngine(RolloutEngine):
             limits = [min(r.req.sampling.max_new_tokens, self.max_context - n) for r, n in zip(rows, lens)]
             try:
                 self._wait_if_paused(epoch)
-                logits, cache = self._forward(ids, mask, pos, None)
+                logits, cache = self._prefill(rows, ids, mask, pos, share=not want_routes)
                 if want_routes:
                     routes.append(self.routing.pop())
                 for step in itertools.count():
@@ -278,6 +278,27 @@ class EmbeddedEngine(RolloutEngine):
                     self._aborted.discard(r.rid)
             return [self._to_sample(b, r, lens[b], P, routes) for b, r in enumerate(rows)]
 
+    def _prefill(self, rows: List[_Row], ids, mask, pos, share: bool):
+        """The prompt forward of a batch: ``(last-position logits [B, V], KV cache of B rows)``.
+
+        Rows with the same prompt (the ``n`` samples of a request, SGLang's shared prefix) share one
+        forward: the distinct prompts are run once and their logits and cache rows are copied out to
+        every row that has them -- for ``n = 8`` an eighth of the prefill's work. (Float rounding may
+        differ from an unshared prefill by ~1e-7, as any change of batch composition does.)
+        Not with routing capture, whose prefill records are per row."""
+        distinct: dict = {}
+        source = [distinct.setdefault(tuple(r.req.prompt_ids), i) for i, r in enumerate(rows)]
+        if not share or len(distinct) == len(rows):
+            return self._forward(ids, mask, pos, None)
+        first = torch.tensor(sorted(distinct.values()), device=self.device)  # one row per distinct prompt
+        logits, cache = self._forward(ids[first], mask[first], pos[first], None)
+        if not hasattr(cache, "batch_select_indices"):  # a cache type we cannot expand: no sharing
+            return self._forward(ids, mask, pos, None)
+        where = {row: k for k, row in enumerate(first.tolist())}
+        expand = torch.tensor([where[src] for src in source], device=self.device)
+        cache.batch_select_indices(expand)
+        return logits.index_select(0, expand), cache
+
     def _wait_if_paused(self, epoch: int) -> None:
         """Hold the batch while paused. The lock is let go meanwhile so weight updates and version changes
         go through (SGLang's in-place pause, used for partial rollouts): tokens after ``continue`` then
@@ -297,15 +318,16 @@ class EmbeddedEngine(RolloutEngine):
 
     def _record_step(self, rows: List[_Row], res, limits: List[int], epoch: int) -> None:
         abort_all = self._abort_epoch != epoch
+        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()  # one conversion, not one per row
         for b, r in enumerate(rows):
             if r.finish:
                 continue
             if abort_all or r.rid in self._aborted:
                 r.finish = "abort"
                 continue
-            tok = int(res.tokens[b])
+            tok = tokens[b]
             r.tokens.append(tok)
-            r.logprobs.append(float(res.logprobs[b]))
+            r.logprobs.append(logprobs[b])
             if res.top_ids is not None and r.req.return_top_logprobs:
                 r.top_ids.append(res.top_ids[b, : r.req.return_top_logprobs])
                 r.top_values.append(res.top_values[b, : r.req.return_top_logprobs])

@@ -1,9 +1,10 @@
 """Token sampling with SGLang's semantics and exact log-probs, batch-composition independent.
 
 Pure tensor math, no model: the embedded engine calls ``sample_next`` once per decode step. Every row
-draws its uniform from its own ``torch.Generator`` and is sampled by inverse CDF over its own sorted
-distribution, so a row's token depends only on its logits, its parameters and its generator -- never
-on which other requests share the batch. (Up to float non-associativity in the batched forward pass
+draws its uniform from its own ``torch.Generator`` and is sampled by inverse CDF over its own
+distribution -- in descending-probability order when a filter (top-k / top-p / min-p) or greedy needs the
+sort, in token-id order when the row is unfiltered (no ``[B, V]`` sort) -- so a row's token depends only on
+its logits, its parameters and its generator -- never on which other requests share the batch. (Up to float non-associativity in the batched forward pass
 that produced the logits: a batch-size-dependent rounding of ~1e-7 could flip a draw that lands that
 close to a CDF boundary.)
 
@@ -104,12 +105,79 @@ def sample_next(
     temps = torch.where(rows.temperature == 0, torch.ones_like(rows.temperature), rows.temperature)
     scaled = logits.float() / temps.unsqueeze(1)
     logp = torch.log_softmax(scaled, dim=-1)  # [B, V] the "raw" convention
+    plain = unfiltered_rows(rows)
+    if bool(plain.all()):
+        return _sample_plain(logp, generators, top_n)
+    if bool(plain.any()):  # a mixed batch: each row takes the path its own parameters choose
+        out = StepResult(tokens=torch.empty(len(generators), dtype=torch.int64),
+                         logprobs=torch.empty(len(generators), dtype=torch.float32), top_ids=None, top_values=None)
+        idx = {True: plain.nonzero().squeeze(1), False: (~plain).nonzero().squeeze(1)}
+        parts = {True: _sample_plain(logp[idx[True]], [generators[i] for i in idx[True].tolist()], top_n),
+                 False: _sample_sorted(logp[idx[False]], _take_rows(rows, idx[False]),
+                                       [generators[i] for i in idx[False].tolist()], logprob_mode, top_n)}
+        if top_n > 0:
+            n = min(top_n, logits.shape[1])
+            out.top_ids = torch.empty(len(generators), n, dtype=torch.int64)
+            out.top_values = torch.empty(len(generators), n, dtype=torch.float32)
+        for key, part in parts.items():
+            out.tokens[idx[key]] = part.tokens
+            out.logprobs[idx[key]] = part.logprobs
+            if top_n > 0:
+                out.top_ids[idx[key]] = part.top_ids
+                out.top_values[idx[key]] = part.top_values
+        return out
+    return _sample_sorted(logp, rows, generators, logprob_mode, top_n)
+
+
+def unfiltered_rows(rows: RowParams) -> torch.Tensor:
+    """``[B]`` bool: rows sampled from the full temperature-scaled distribution (no top-k / top-p / min-p,
+    not greedy). Their kept set is the whole vocabulary, so "raw" and "processed" log-probs coincide and
+    no sort is needed (:func:`_sample_plain`)."""
+    return (rows.temperature > 0) & (rows.top_k <= 0) & (rows.top_p >= 1.0) & (rows.min_p <= 0.0)
+
+
+def _take_rows(rows: RowParams, idx: torch.Tensor) -> RowParams:
+    return RowParams(temperature=rows.temperature[idx], top_k=rows.top_k[idx], top_p=rows.top_p[idx],
+                     min_p=rows.min_p[idx])
+
+
+def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    return torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+
+
+def _sample_plain(logp: torch.Tensor, generators: Sequence[torch.Generator], top_n: int) -> StepResult:
+    """Unfiltered rows: inverse CDF over the distribution in token-id order (one uniform per row, from the
+    row's own generator, as on the sorted path), without the ``[B, V]`` sort the filters need -- on CPU
+    that sort was most of a small model's decode step. The draw is exact for the same distribution; only
+    which token a given uniform maps to differs from the sorted order, still a pure function of the row."""
+    u = _uniforms(generators)
+    # exp in fp32 (vectorised; fp64 exp is ~10x slower on CPU), accumulated in fp64
+    probs = logp.exp().double()
+    cdf = torch.cumsum(probs, dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # never a zero-probability token...
+    over = tokens >= logp.shape[1]
+    if bool(over.any()):  # ...except past the end, when u * total rounds up to it: take the last possible one
+        last = logp.shape[1] - 1 - torch.argmax((probs[over] > 0).flip(-1).to(torch.uint8), dim=-1)
+        tokens[over] = last
+    logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_ids = top_values = None
+    if top_n > 0:
+        n = min(top_n, logp.shape[1])
+        sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+        top_ids, top_values = order[:, :n].clone(), sorted_logp[:, :n].clone()
+    return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values)
+
+
+def _sample_sorted(logp: torch.Tensor, rows: RowParams, generators: Sequence[torch.Generator], logprob_mode: str,
+                   top_n: int) -> StepResult:
+    """Rows with a filter (or greedy): inverse CDF over the kept prefix of the descending-sorted distribution."""
     # stable=True: among equal probabilities the lower token id comes first, like torch.argmax.
     sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
     keep = kept_mask_sorted(sorted_logp, rows)
 
     # Inverse CDF over the kept prefix, one uniform per row from that row's own generator.
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u = _uniforms(generators)
     cdf = torch.cumsum(sorted_logp.double().exp() * keep, dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
@@ -124,7 +192,7 @@ def sample_next(
     logprobs = sorted_out.gather(1, pos.unsqueeze(1)).squeeze(1)
     top_ids = top_values = None
     if top_n > 0:
-        n = min(top_n, logits.shape[1])
+        n = min(top_n, logp.shape[1])
         top_ids, top_values = order[:, :n].clone(), sorted_out[:, :n].clone()
     return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values)
 

@@ -5,9 +5,11 @@ driver are exercised identically on CPU and against real SGLang. Binds 127.0.0.1
 
 Concurrency: each connection gets a thread (``ThreadingHTTPServer``); ``/generate`` jobs go through one
 queue whose worker batches everything waiting into one engine call (seeded sampling does not depend on
-batch composition, so batching changes no token; log-probs may move by float rounding, ~1e-6). There is
-no continuous batching: a request arriving while a batch runs waits for it. Control endpoints (abort,
-pause) act between decode steps; weight updates wait for the running batch to finish.
+batch composition, so batching changes no token; log-probs may move by float rounding, ~1e-6), after a
+short gathering pause (10 ms without a new request, 100 ms at most) so that a driver's concurrent
+requests share one batch. There is no continuous batching: a request arriving while a batch runs waits
+for it. Control endpoints (abort, pause) act between decode steps; weight updates wait for the running
+batch to finish.
 
 Differences from SGLang, all answered with a clear status: no tokenizer (``text`` input -> 400,
 ``text`` output is ""), no streaming, prompt log-probs (``logprob_start_len >= 0``) come without
@@ -23,6 +25,7 @@ import argparse
 import json
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from http import HTTPStatus
@@ -52,10 +55,17 @@ class _Job:
 
 
 class GenerationQueue:
-    """Batches queued ``/generate`` jobs into engine calls on one worker thread."""
+    """Batches queued ``/generate`` jobs into engine calls on one worker thread.
 
-    def __init__(self, engine: EmbeddedEngine):
+    A driver sends a step's prompts as concurrent requests, which reach the queue a few milliseconds
+    apart; started on the first arrival, the batch would hold one request and the rest would wait for it
+    (two batches, twice the decode steps). So the worker gathers first: once a job is waiting, it starts
+    when no new job has come for ``gather_quiet_s``, or ``gather_max_s`` after the first (0 disables).
+    """
+
+    def __init__(self, engine: EmbeddedEngine, gather_quiet_s: float = 0.01, gather_max_s: float = 0.1):
         self.engine = engine
+        self.gather_quiet_s, self.gather_max_s = gather_quiet_s, gather_max_s
         self._jobs: deque = deque()
         self._cv = threading.Condition()
         self._paused = False
@@ -106,6 +116,11 @@ class GenerationQueue:
                     self._cv.wait()
                 if self._stopped:
                     return
+                self._gather()
+                if self._stopped:
+                    return
+                if self._paused or not self._jobs:  # paused, or the gathered jobs were aborted meanwhile
+                    continue
                 jobs = list(self._jobs)
                 self._jobs.clear()
             try:
@@ -119,6 +134,22 @@ class GenerationQueue:
                 count = sum(r.sampling.n for r in job.requests)
                 job.samples, samples = samples[:count], samples[count:]
                 job.done.set()
+
+
+    def _gather(self) -> None:
+        """Wait (holding ``_cv``'s lock between waits) until arrivals pause; see the class doc."""
+        if self.gather_max_s <= 0:
+            return
+        deadline = time.monotonic() + self.gather_max_s
+        seen = len(self._jobs)
+        while not self._stopped and not self._paused:
+            remaining = min(self.gather_quiet_s, deadline - time.monotonic())
+            if remaining <= 0:
+                return
+            self._cv.wait(remaining)
+            if len(self._jobs) <= seen:  # nothing new for gather_quiet_s (or jobs were aborted)
+                return
+            seen = len(self._jobs)
 
 
 def _aborted(engine: EmbeddedEngine, req: GenerateRequest, index: int) -> Sample:

@@ -17,7 +17,8 @@ Weight buckets for ``/update_weights_from_tensor`` (the embedded server's format
 SGLang pickles tensors with its ``MultiprocessingSerializer`` (CUDA IPC handles, same host, needs
 ``sglang`` importable)). We send ``load_format="safetensors"`` with ``serialized_named_tensors`` = a
 list of base64-encoded safetensors files, one bucket each; or ``load_format="safetensors_file"`` with
-paths of safetensors files the server can read.
+paths of safetensors files the server can read (what ``SGLangClient`` sends a server on its own machine:
+files in /dev/shm, removed once the server has answered).
 """
 
 from __future__ import annotations
@@ -281,6 +282,18 @@ def encode_bucket(bucket: Sequence[Tuple[str, torch.Tensor]]) -> str:
             raise ValueError(f"bucket names {name!r} twice")
         tensors[name] = t.detach().to("cpu").contiguous().clone()
     return base64.b64encode(save(tensors)).decode("ascii")
+
+
+def write_bucket_file(bucket: Sequence[Tuple[str, torch.Tensor]], path: str) -> None:
+    """A bucket as a safetensors file at ``path`` (``load_format="safetensors_file"``)."""
+    from safetensors.torch import save_file
+
+    tensors: Dict[str, torch.Tensor] = {}
+    for name, t in bucket:
+        if name in tensors:
+            raise ValueError(f"bucket names {name!r} twice")
+        tensors[name] = t.detach().to("cpu").contiguous().clone()  # views of one storage: safetensors refuses
+    save_file(tensors, path)
 
 
 def decode_bucket(b64: str) -> List[Tuple[str, torch.Tensor]]:

@@ -102,6 +102,29 @@ def test_n_samples_per_prompt(model):
     assert [s.response_ids for s in again] == [s.response_ids for s in first]
 
 
+def test_samples_of_one_prompt_share_one_prefill(model, monkeypatch):
+    """The n samples of a request (and equal prompts of different requests) run the prompt forward once;
+    tokens and log-probs are those of a prefill per row."""
+    reqs = [_req([4, 5, 6, 7], max_new_tokens=10, n=3, seed=1, ignore_eos=True),
+            _req([9, 8], max_new_tokens=10, n=2, seed=2, top_k=5, ignore_eos=True),
+            _req([4, 5, 6, 7], max_new_tokens=10, seed=3, ignore_eos=True)]
+    engine = EmbeddedEngine(model)
+    batches = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        shared = engine.generate(reqs)
+    finally:
+        hook.remove()
+    assert batches[0] == (2, 4) and all(b == (6, 1) for b in batches[1:])  # 2 distinct prompts, then 6 rows
+    unshared_prefill = EmbeddedEngine._prefill
+    monkeypatch.setattr(EmbeddedEngine, "_prefill",
+                        lambda self, rows, ids, mask, pos, share: unshared_prefill(self, rows, ids, mask, pos, False))
+    plain = EmbeddedEngine(model).generate(reqs)
+    assert [s.response_ids for s in shared] == [s.response_ids for s in plain]
+    for a, b in zip(shared, plain):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=ATOL)
+
+
 def test_unseeded_requests_follow_the_engine_seed(model):
     a = EmbeddedEngine(model, EmbeddedEngineConfig(seed=5)).generate([_req([1, 2], max_new_tokens=10, ignore_eos=True)])
     b = EmbeddedEngine(model, EmbeddedEngineConfig(seed=5)).generate([_req([1, 2], max_new_tokens=10, ignore_eos=True)])

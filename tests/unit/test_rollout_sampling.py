@@ -78,6 +78,36 @@ def test_rows_are_independent_of_each_other():
         assert int(alone.tokens[0]) == int(together.tokens[i])
 
 
+def test_unfiltered_rows_skip_the_sort_but_not_the_semantics():
+    """Unfiltered rows sample in token-id order (no sort): exact log-probs, raw == processed, the same
+    stable top-n as the sorted path, zero-probability tokens never drawn."""
+    logits = torch.tensor([0.0, float("-inf"), 1.0, 1.0, -2.0, float("-inf")])
+    res = _draw(logits, SamplingParams(), rows=3000)
+    proc = _draw(logits, SamplingParams(), rows=3000, mode="processed")
+    assert torch.equal(res.tokens, proc.tokens) and torch.allclose(res.logprobs, proc.logprobs)
+    assert set(res.tokens.tolist()) == {0, 2, 3, 4}
+    assert torch.allclose(res.logprobs, torch.log_softmax(logits, -1)[res.tokens])
+    p = torch.softmax(logits, -1)
+    for tok in (0, 2, 3, 4):
+        assert abs((res.tokens == tok).float().mean().item() - float(p[tok])) < 0.035
+    gens = [make_generator(1)]
+    top = sample_next(logits.unsqueeze(0), RowParams.from_params([SamplingParams()]), gens, top_n=3)
+    ref = sample_next(logits.unsqueeze(0), RowParams.from_params([SamplingParams(top_k=6)]), [make_generator(1)],
+                      top_n=3)
+    assert top.top_ids.tolist() == ref.top_ids.tolist() == [[2, 3, 0]]  # ties: lower id first
+    assert torch.allclose(top.top_values, ref.top_values)
+
+
+def test_unfiltered_draw_at_the_end_of_the_cdf_takes_the_last_possible_token(monkeypatch):
+    import megatron_rl.rollout.sampling as sampling
+
+    # u * total can round up to the CDF's last value: never past the last token of non-zero probability
+    monkeypatch.setattr(sampling, "_uniforms", lambda gens: torch.ones(len(gens), dtype=torch.float64))
+    res = sample_next(torch.tensor([[0.0, 0.0, float("-inf")]]), RowParams.from_params([SamplingParams()]),
+                      [make_generator(0)])
+    assert res.tokens.tolist() == [1]
+
+
 def test_derived_seeds_do_not_collide():
     seeds = {derive_seed(s, j) for s in range(50) for j in range(8)}
     assert len(seeds) == 400

@@ -129,8 +129,14 @@ def test_other_malformed_requests(dense_server):
         assert info.value.status == 400 and info.value.field == field, (path, info.value)
 
 
-def test_update_weights_from_tensor_over_http(dense_server):
+@pytest.mark.parametrize("shared_files", [True, False], ids=["shm-file", "base64"])
+def test_update_weights_from_tensor_over_http(dense_server, shared_files, tmp_path, monkeypatch):
+    import megatron_rl.rollout.http_client as http_client
+
+    monkeypatch.setattr(http_client, "_shared_dir", lambda: str(tmp_path))
     client = SGLangClient(dense_server.url, retry=FAST)
+    assert client.shared_files  # a loopback server is on this machine
+    client.shared_files = shared_files
     engine = RemoteEngine([client], weight_transport="tensor")
     req = [GenerateRequest((3, 4, 5), SamplingParams(max_new_tokens=12, seed=2, ignore_eos=True))]
     target = EmbeddedEngine(tiny_qwen3(seed=1, max_positions=4096)).generate(req)[0]
@@ -143,6 +149,28 @@ def test_update_weights_from_tensor_over_http(dense_server):
     after = engine.generate(req)[0]
     assert after.response_ids == target.response_ids and after.weight_version == "5"
     assert client.get_weight_version() == "5"
+    assert client.shared_files == shared_files and list(tmp_path.iterdir()) == []  # files removed
+
+
+def test_weight_files_fall_back_to_bytes_when_the_server_cannot_read_them(dense_server, monkeypatch):
+    import safetensors.torch
+
+    def unreadable(path, *a, **kw):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", unreadable)  # a server on another filesystem
+    client = SGLangClient(dense_server.url, retry=FAST)
+    weights = other_weights(tiny_qwen3, seed=1)
+    RemoteEngine([client], weight_transport="tensor").update_weights([weights], version=7)
+    assert not client.shared_files and client.get_weight_version() == "7"
+
+
+def test_only_servers_on_this_machine_get_weight_files():
+    from megatron_rl.rollout.http_client import _is_local_address
+
+    assert _is_local_address("127.0.0.1") and _is_local_address("localhost")
+    assert not _is_local_address("192.0.2.1")  # TEST-NET-1: an address of no interface here
+    assert not SGLangClient("http://192.0.2.1:30000").shared_files
 
 
 def test_update_weights_from_distributed_over_gloo(dense_server):
@@ -241,3 +269,40 @@ def test_balancer_spreads_requests(policy):
     finally:
         for s in servers:
             s.stop()
+
+
+def test_concurrent_requests_are_gathered_into_one_engine_call():
+    """A driver's concurrent requests share one batch (one engine call), not first-arrival + the rest."""
+    from megatron_rl.rollout.protocol import Sample
+    from megatron_rl.rollout.server import GenerationQueue
+
+    class Recorder:
+        weight_version = "0"
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, requests):
+            self.calls.append(len(requests))
+            time.sleep(0.05)  # a running batch: arrivals after its start would have to wait for it
+            return [Sample(prompt_ids=list(r.prompt_ids), response_ids=[1], logprobs=[0.0], finish_reason="length")
+                    for r in requests for _ in range(r.sampling.n)]
+
+    engine = Recorder()
+    queue = GenerationQueue(engine, gather_quiet_s=0.3, gather_max_s=5.0)  # generous: loaded 2-core CI
+    try:
+        results = {}
+
+        def submit(i):
+            results[i] = queue.submit([GenerateRequest((i + 1,), SamplingParams(n=2))])
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.005)
+        for t in threads:
+            t.join(30)
+        assert engine.calls == [6]
+        assert all(len(results[i]) == 2 and results[i][0].prompt_ids == [i + 1] for i in range(6))
+    finally:
+        queue.stop()
