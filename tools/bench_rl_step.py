@@ -289,7 +289,8 @@ def _ours_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                 raise result["error"]
             history = result["history"]
             nodes = {n["NodeID"]: ([k for k in n["Resources"] if k.startswith("bench_node_")] or
-                                   [n["NodeManagerAddress"]])[0] for n in ray.nodes() if n["Alive"]}
+                                   [f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})"])[0]
+                     for n in ray.nodes() if n["Alive"]}
         else:
             history = driver.train(cfg)
             nodes = {}

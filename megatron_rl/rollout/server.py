@@ -135,7 +135,6 @@ class GenerationQueue:
                 job.samples, samples = samples[:count], samples[count:]
                 job.done.set()
 
-
     def _gather(self) -> None:
         """Wait (holding ``_cv``'s lock between waits) until arrivals pause; see the class doc."""
         if self.gather_max_s <= 0:

@@ -169,8 +169,8 @@ def test_only_servers_on_this_machine_get_weight_files():
     from megatron_rl.rollout.http_client import _is_local_address
 
     assert _is_local_address("127.0.0.1") and _is_local_address("localhost")
-    assert not _is_local_address("192.0.2.1")  # TEST-NET-1: an address of no interface here
-    assert not SGLangClient("http://192.0.2.1:30000").shared_files
+    assert not _is_local_address("198.51.100.254")  # TEST-NET-2: an address of no interface here
+    assert not SGLangClient("http://198.51.100.254:30000").shared_files
 
 
 def test_update_weights_from_distributed_over_gloo(dense_server):
