@@ -76,7 +76,7 @@ class SGLangConfig:
     tp_size: int = 1  # GPUs per server
     mem_fraction_static: float = 0.8
     dtype: str = "auto"
-    sampling_backend: Optional[str] = None  # "pytorch" is needed for seeded (reproducible) sampling
+    sampling_backend: Optional[str] = None  # --sampling-backend (None: SGLang's choice)
     enable_memory_saver: bool = False
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
@@ -94,13 +94,18 @@ class RolloutConfig:
     dynamic_sampling:       drop groups whose rewards are all equal (no GRPO signal) and over-sample
                             up to ``max_oversample_rounds`` more rounds to refill the batch (DAPO).
     oversample_factor:      each refill round asks for ``ceil(missing * factor)`` more prompts.
-    logprob_mode:           ``raw`` (SGLang's default, full-vocabulary) or ``processed`` (renormalised over
-                            the top-k/top-p set: pair it with DVP in the objective), see rollout/protocol.py.
-    seeded:                 per-request sampling seeds derived from (seed, step, round, slot): rollouts are
-                            reproducible and a resumed run matches an uninterrupted one (SGLang needs
-                            ``sglang.sampling_backend: pytorch``).
-    weight_transport:       ``tensor`` (safetensors over HTTP; embedded servers), ``distributed`` (HTTP
-                            announce + torch.distributed broadcast; SGLang) or ``auto``.
+    logprob_mode:           ``raw`` (SGLang's ``output_token_logprobs``, full-vocabulary) or ``processed``
+                            (renormalised over the top-k/top-p set, SGLang's ``output_token_sampling_logprobs``:
+                            pair it with DVP in the objective, and a top-k <= 4096), see rollout/protocol.py.
+    seeded:                 per-sample sampling seeds derived from (seed, step, round, slot, sample): rollouts are
+                            reproducible and a resumed run matches an uninterrupted one. Needs
+                            ``deterministic_inference``.
+    deterministic_inference: engines honour ``sampling_seed`` (SGLang ``--enable-deterministic-inference``, which
+                            launched engines get; ``remote`` servers are checked at start-up). None: as ``seeded``.
+                            SGLang's seeded sampler refuses ``min_p > 0``.
+    weight_transport:       ``tensor`` (safetensors over HTTP; embedded servers only), ``distributed`` (HTTP
+                            announce + torch.distributed broadcast; SGLang) or ``auto`` (``tensor`` for embedded
+                            engines, else ``distributed``).
     placement:              ``colocated`` (engines share the trainers' placement-group bundles and release
                             their memory while the trainer runs) or ``disaggregated`` (own bundles).
     off_policy:             0: synchronous; 1: the next step's rollout overlaps this step's training (one
@@ -120,6 +125,7 @@ class RolloutConfig:
     oversample_factor: float = 1.0
     logprob_mode: Literal["raw", "processed"] = "raw"
     seeded: bool = True
+    deterministic_inference: Optional[bool] = None
     balancer: Literal["round_robin", "least_outstanding"] = "least_outstanding"
     max_concurrency: int = 64  # HTTP requests in flight from the driver
     request_timeout_s: float = 600.0
@@ -140,12 +146,14 @@ class RolloutConfig:
                              f"oversample_factor={self.oversample_factor} >= 1")
         if self.off_policy not in (0, 1):
             raise ValueError(f"rollout.off_policy={self.off_policy}: expected 0 (synchronous) or 1 (one step)")
+        if self.deterministic_inference is None:
+            object.__setattr__(self, "deterministic_inference", self.seeded)
 
     @property
     def transport(self) -> str:
         if self.weight_transport != "auto":
             return self.weight_transport
-        return "distributed" if self.engine == "sglang" else "tensor"
+        return "tensor" if self.engine == "embedded" else "distributed"
 
 
 @dataclass(frozen=True)

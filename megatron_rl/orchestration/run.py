@@ -115,7 +115,7 @@ class Run:
                               ref_logprobs_model=ref_lp)
         engine = None
         if cfg.rollout.engine != "remote":
-            engine = EngineSpec(kind=r.engine, model_path=cfg.model.hf_path, logprob_mode=r.logprob_mode,
+            engine = EngineSpec(kind=r.engine, model_path=cfg.model.hf_path, deterministic=r.deterministic_inference,
                                 seed=cfg.seed, host=r.host,
                                 threads=cfg.cluster.threads_per_worker, routed_experts=cfg.train.routing_replay,
                                 dtype=r.embedded_dtype, log_dir=cfg.output_dir, sglang=r.sglang)
@@ -143,18 +143,20 @@ class Run:
         urls = ray.get(url_refs) if url_refs else list(r.urls)
         logger.info("rollout servers: %s", urls)
         self.routing = None  # routing replay: the trainer's MoE layout, to decode and check engine routes
+        layout = None
         if cfg.train.routing_replay:
             from megatron_rl.models.build import load_arch
             from megatron_rl.routing import RoutingLayout
+            from megatron_rl.routing.align import expert_layout
 
-            self.routing = RoutingLayout.from_arch(load_arch(cfg.model.hf_path))
-        shape = None if self.routing is None else (self.routing.num_moe_layers, self.routing.topk)
-        clients = [SGLangClient(u, timeout_s=r.request_timeout_s, routing_shape=shape, logprob_mode=r.logprob_mode)
+            arch = load_arch(cfg.model.hf_path)
+            self.routing = RoutingLayout.from_arch(arch)
+            layout = expert_layout(arch)
+        clients = [SGLangClient(u, timeout_s=r.request_timeout_s, expert_layout=layout, logprob_mode=r.logprob_mode)
                    for u in urls]
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)
-        self.trainers.connect_engines(urls, r.transport, r.balancer,
-                                      r.sglang.tp_size if r.engine == "sglang" else 1, r.request_timeout_s)
+        self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s)
         unit = self.trainers.dp * cfg.train.micro_batch_size
         self.rollouts = RolloutPhase(r, self.engine, self.tokenizer, self.sampler, self.rewards, seed=cfg.seed,
                                      batch_unit=unit, progress_bars=cfg.logging.progress,

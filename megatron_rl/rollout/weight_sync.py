@@ -208,9 +208,11 @@ def _drain(it: Iterator) -> int:
 
 
 def probe_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
-    """``[length]`` int64 pseudo-random token ids, the same on every rank and every run for one seed."""
+    """``[length]`` int64 pseudo-random token ids in ``[0, vocab_size - 1)``, the same on every rank and every
+    run for one seed. (SGLang reports prompt ids ``>= vocab_size - 1`` as 0 in ``input_token_logprobs``, so
+    the answer could not be matched to the probe.)"""
     g = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, int(vocab_size), (int(length),), generator=g)
+    return torch.randint(0, int(vocab_size) - 1, (int(length),), generator=g)
 
 
 def probe_length(config: WeightSyncConfig, built) -> int:
