@@ -109,8 +109,12 @@ class Run:
         ref_lp = None
         if kl.coef > 0 and kl.estimator != "exact":  # sample-based KL needs log pi_ref of the sampled tokens
             ref_lp = cfg.train.reference_model or cfg.model
+        # with routing replay, the post-sync probe replays each engine's routing of the probe too
+        weight_sync = dataclasses.replace(cfg.rollout.weight_sync, replay_routing=cfg.train.routing_replay)
+        if r.engine == "embedded" and weight_sync.engine_dtype is None:  # send what the engine holds
+            weight_sync = dataclasses.replace(weight_sync, engine_dtype=r.embedded_dtype)
         trainer = TrainerSpec(model=cfg.model, train=cfg.train, optim=cfg.optim, layout=cfg.parallel.layout,
-                              weight_sync=cfg.rollout.weight_sync, seed=cfg.model.seed,
+                              weight_sync=weight_sync, seed=cfg.model.seed,
                               threads=cfg.cluster.threads_per_worker, backend=cfg.cluster.backend,
                               ref_logprobs_model=ref_lp)
         engine = None

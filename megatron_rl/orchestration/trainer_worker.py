@@ -134,7 +134,12 @@ class TrainerWorker:
             from megatron_rl.rollout.balancer import RemoteEngine
             from megatron_rl.rollout.http_client import SGLangClient
 
-            clients = [SGLangClient(u, timeout_s=timeout_s) for u in urls]
+            layout = None
+            if self.spec.weight_sync.replay_routing:  # the probe check asks the engines for their routing
+                from megatron_rl.routing.align import expert_layout
+
+                layout = expert_layout(self.trainer.built.arch)
+            clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
             if transport == "distributed":
                 ip = ray.util.get_node_ip_address()

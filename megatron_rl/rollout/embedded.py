@@ -216,6 +216,21 @@ class EmbeddedEngine(RolloutEngine):
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
         return [logprobs.cpu()]
 
+    def prompt_logprobs_and_routes(self, token_ids: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`prompt_logprobs` plus the ``[L, MoE layers, topk]`` experts each token was routed to, from the
+        same forward (one replica)."""
+        if not self.routing.is_moe:
+            raise ValueError("prompt routes need an MoE model")
+        with self._lock:
+            self.routing.pop()
+            self.routing.enabled = True
+            try:
+                (logprobs,) = self.prompt_logprobs(token_ids)
+                layers = self.routing.pop()
+            finally:
+                self.routing.enabled = False
+        return [(logprobs, torch.stack(layers, dim=1))]
+
     def release_memory(self) -> None:
         """On CUDA: move weights to host memory, freeing the device. On CPU there is nothing to hand to a
         colocated trainer (weights already live in host memory), so only the state changes: ``generate``

@@ -448,17 +448,17 @@ def test_a_huge_request_is_refused_and_big_ones_do_not_starve_others():
         client = SGLangClient(server.url, retry=FAST)
         with pytest.raises(RequestRejected, match="--max-request-tokens"):
             client.generate_raw({"input_ids": [1] * 100, "sampling_params": {"n": 64, "max_new_tokens": 100}})
-        # a 64-row request runs 8 rows per batch; a small request arriving meanwhile shares the next batch
+        # a 64-row request runs 8 rows per batch; a small request arriving meanwhile shares one of the next
+        # batches (rows are taken round-robin), so it is answered while the big one still runs
         big = threading.Thread(target=lambda: client.generate_raw(
             {"input_ids": [1], "sampling_params": {"n": 64, "max_new_tokens": 40, "ignore_eos": True}}))
         big.start()
-        time.sleep(0.2)
-        start = time.monotonic()
+        while server.engine.busy_since is None:  # the big request's first batch runs
+            time.sleep(0.01)
         client.generate_raw({"input_ids": [2], "sampling_params": {"max_new_tokens": 1}})
-        small = time.monotonic() - start
-        big.join(120)
-        assert big.is_alive() is False
-        assert small < 60  # answered in round-robin, not after all 8 batches of the big request
+        assert big.is_alive()
+        big.join(300)
+        assert not big.is_alive()
     finally:
         server.stop()
 
@@ -543,6 +543,7 @@ def test_update_weights_from_distributed_over_gloo(server_process):
     assert torch.allclose(client.prompt_logprobs(ids), expected, atol=1e-6)
 
 
+@pytest.mark.timeout(180)
 def test_a_refused_announce_ends_the_sync_instead_of_hanging(server_process, monkeypatch):
     """No wait on a broadcast toward a server that refused (defect 1): without a session the server refuses the
     announce at once; the sync raises with its message, and the next init_weight_sync rebuilds the group."""
@@ -551,10 +552,8 @@ def test_a_refused_announce_ends_the_sync_instead_of_hanging(server_process, mon
     engine.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=60)
     monkeypatch.setattr(client, "begin_weight_update", lambda: None)  # a session that never opened
     weights = other_weights(tiny_qwen3, seed=2)
-    start = time.monotonic()
     with pytest.raises(WeightTransportError, match="refused the weight bucket.*begin_weight_update"):
-        engine.update_weights([weights], version="never")
-    assert time.monotonic() - start < 30
+        engine.update_weights([weights], version="never")  # (a hang would hit the test's timeout)
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="init_weight_sync"):
         engine.update_weights([weights], version="never")
