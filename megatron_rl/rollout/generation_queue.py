@@ -59,6 +59,10 @@ class GenerationQueue:
         is then aborted)."""
         job = _Job(requests, itertools.chain.from_iterable(self.engine.rows(r) for r in requests))
         with self._cv:
+            # SGLang holds a request that arrives while generation is paused at the door (before it is
+            # registered, so an abort_all does not reach it) until continue_generation
+            while self._paused and not self._stopped:
+                self._cv.wait()
             self._jobs.append(job)
             self._cv.notify_all()
         if not job.done.wait(timeout_s):

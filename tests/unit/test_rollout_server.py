@@ -358,15 +358,24 @@ def test_abort_pause_continue(dense_server):
     client.continue_generation()
     thread.join(30)
     assert out["held"][0].finish_reason == "length"
-    # pause with mode=abort aborts what is queued
+    # pause with mode=abort aborts what runs; a request arriving while paused waits at the door (SGLang's
+    # tokenizer manager holds it before registering it: abort_all does not reach it) and runs after continue
+    thread = threading.Thread(target=run, args=("running", GenerateRequest((1,), SamplingParams(max_new_tokens=3000,
+                                                                                                ignore_eos=True))))
+    thread.start()
+    time.sleep(0.3)
     client.pause_generation(mode="abort")
-    thread = threading.Thread(target=run, args=("queued", GenerateRequest((1,), SamplingParams(max_new_tokens=5))))
+    thread.join(30)
+    assert out["running"][0].finish_reason == "abort"
+    thread = threading.Thread(target=run, args=("door", GenerateRequest((1,), SamplingParams(max_new_tokens=5,
+                                                                                             ignore_eos=True))))
     thread.start()
     time.sleep(0.2)
     client.abort_request(abort_all=True)
-    thread.join(30)
+    assert thread.is_alive()
     client.continue_generation()
-    assert out["queued"][0].finish_reason == "abort"
+    thread.join(30)
+    assert out["door"][0].finish_reason == "length"
 
 
 def test_weights_change_during_an_in_place_pause(dense_server):
