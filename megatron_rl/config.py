@@ -21,6 +21,7 @@ from megatron_rl import config_io
 from megatron_rl.advantages import AdvantageConfig
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.diagnostics import DiagnosticsConfig
 from megatron_rl.launch.slurm import SlurmConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
@@ -246,6 +247,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     slurm: Optional[SlurmConfig] = None  # read by `megatron-rl slurm`; ignored by the run itself
 
     def __post_init__(self) -> None:

@@ -265,15 +265,16 @@ class Run:
     def _needs_forward(self, objective: ObjectiveConfig) -> bool:
         cfg = self.cfg
         kl = objective.kl_penalty
-        return (objective.policy.mode == "decoupled" or cfg.advantage.estimator == "otb"
+        return (objective.policy.mode == "decoupled" or cfg.advantage.estimator == "otb" or cfg.diagnostics.gain
                 or objective.dense_kl.beta > 0 or (kl.coef > 0 and kl.placement == "reward"))
 
     def advantages(self, tb, fwd, batch: RolloutBatch, step: int):
         with self.timer.phase("advantages"):
             rewards = [x for g in batch.groups for x in g.rewards]
+            per_token = [t for g in batch.groups for t in (g.token_rewards or [None] * len(g.rewards))]
             adv, metrics = batching.compute_step_advantages(
                 self.cfg.advantage, self.cfg.objective_at(step), tb, rewards, fwd,
-                imitation_only=self.is_warmup(step), ref_logprobs=tb.ref_logprobs)
+                imitation_only=self.is_warmup(step), ref_logprobs=tb.ref_logprobs, per_token=per_token)
         return tb.replace(advantages=adv), metrics
 
     def train(self, tb, step: int) -> Dict[str, float]:
@@ -285,6 +286,20 @@ class Run:
                "train/warmup": float(self.is_warmup(step))}
         out.update(result.metrics)
         return out
+
+    def gain(self, tb, batch: RolloutBatch, step: int) -> Dict[str, float]:
+        """``diagnostics.gain``: the update's gain decomposition (math_spec §h.3) from a forward of the same
+        batch under the new weights against its old log-probs (``megatron_rl.diagnostics``)."""
+        d = self.cfg.diagnostics
+        if not d.gain or tb.old_logprobs is None:
+            return {}
+        from megatron_rl.diagnostics import gain_decomposition
+
+        with self.timer.phase("diagnostics"):
+            new = self.trainers.forward(tb, self.cfg.objective_at(step))
+            rewards = [x for g in batch.groups for x in g.rewards]
+            return gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
+                                      d.reward_max)
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         with self.timer.phase("weight_sync"):
