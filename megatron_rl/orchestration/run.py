@@ -92,7 +92,7 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.sampler = PromptSampler.from_config(self.dataset)
-        self.eval_dataset = PromptDataset(cfg.eval.data, self.tokenizer) if cfg.eval.data is not None else None
+        self.eval_datasets = {name: PromptDataset(d, self.tokenizer) for name, d in cfg.eval.named_datasets.items()}
         reward_cfg = cfg.reward
         if not cfg.logging.progress:  # the runner's own bar follows the run's switch
             reward_cfg = dataclasses.replace(reward_cfg, progress_min_batch=2**62)
@@ -162,8 +162,8 @@ class Run:
         self._closers.append(self.rollouts.close)
         from megatron_rl.orchestration.evaluate import Evaluator
 
-        self.evaluator = (Evaluator(cfg.eval, self.eval_dataset, self.rollouts, cfg.seed)
-                          if self.eval_dataset is not None else None)
+        self.evaluator = (Evaluator(cfg.eval, self.eval_datasets, self.rollouts, cfg.seed)
+                          if self.eval_datasets else None)
 
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint
