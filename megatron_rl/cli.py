@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "`megatron-rl eval RECIPE_OR_HF_DIR [key=value ...] [--model HF_DIR]`")
     eval_cli.add_arguments(p)
     p.set_defaults(func=eval_cli.cli_main)
+    from megatron_rl import export, report  # argparse only: torch / matplotlib load when they run
+
+    p = sub.add_parser("export", help="a trainer checkpoint (any TP/PP/EP) -> HF safetensors + config + tokenizer: "
+                       "`megatron-rl export CHECKPOINT_DIR OUT_DIR`")
+    export.add_arguments(p)
+    p.set_defaults(func=export.cli_main)
+    p = sub.add_parser("report", help="one HTML page with PNG plots of a run: `megatron-rl report RUN_DIR`")
+    report.add_arguments(p)
+    p.set_defaults(func=report.cli_main)
     return ap
 
 
