@@ -215,15 +215,22 @@ def _bounds(p: _Plotter):
                                         "TRM logs them.")
 
 
+def _smoothed_lines(p: _Plotter, keys: List[str], prefix: str, ylabel: str, title: str):
+    """One axis of smoothed series, labelled without ``prefix``."""
+    fig, (ax,) = p.figure(1, 3.5)
+    for k in keys:
+        p.line(ax, k, k.replace(prefix, ""), smooth=True)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return fig, ax
+
+
 def _routing(p: _Plotter):
     layers = sorted(p.m.matching(r"routing/agreement_layer\d+"), key=lambda k: int(k.rsplit("layer", 1)[1]))
     if not layers:
         return None
-    fig, (ax,) = p.figure(1, 3.6)
-    for k in layers:
-        p.line(ax, k, k.replace("routing/agreement_", ""), smooth=True)
-    ax.set_ylabel("top-k set agreement")
-    ax.set_title("MoE routing agreement per layer (trainer vs engine)")
+    fig, _ = _smoothed_lines(p, layers, "routing/agreement_", "top-k set agreement",
+                             "MoE routing agreement per layer (trainer vs engine)")
     return p.save(fig, "routing.png"), "Fraction of tokens whose top-k expert set is the same in the trainer and the engine."
 
 
@@ -251,11 +258,7 @@ def _throughput(p: _Plotter):
     keys = m.matching(r"perf/.*tokens_per_s.*")
     if not keys:
         return None
-    fig, (ax,) = p.figure(1, 3.4)
-    for k in keys:
-        p.line(ax, k, k.replace("perf/", ""), smooth=True)
-    ax.set_ylabel("tokens / s")
-    ax.set_title("throughput")
+    fig, ax = _smoothed_lines(p, keys, "perf/", "tokens / s", "throughput")
     twin = None
     if m.has("perf/mfu"):
         twin = (ax, ax.twinx())

@@ -13,7 +13,7 @@ and reports:
   drawn with the median and the largest ε); the fraction of tokens above their own envelope (the bound
   is a theorem: 0 up to the engine's generation path differing from a bf16 re-forward);
 * the share of the total mismatch (Σ|Δ log p| and Σk3 over sampled tokens) from tail tokens (p < 1e-3)
-  vs the rest, and a table by decade of p;
+  vs the rest, and a table by decade of p (of 1 − p near 1);
 * TRM's bounds (math_spec §a.2: Pinsker-marginal, mixed, adaptive, unified, classical) for response
   lengths T = 4 ... 4096, from the measured exact D_tok,max = max over positions of KL(μ‖π) (rollout
   first), ε = max token TV, D^seq_KL = T · mean token KL and D̄_t = mean token TV.
@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TAIL = 1e-3
+EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 LENGTHS = (4, 16, 64, 256, 1024, 4096)
 
 
@@ -105,14 +106,10 @@ def summarise(m: Dict[str, torch.Tensor]) -> Dict:
     k3 = torch.expm1(m["lam"]) - m["lam"]  # ρ − 1 − log ρ: the per-token estimate of KL(μ‖π)
     total_abs, total_k3 = float(d.sum()), float(k3.sum())
     decades = []
-    for lo in range(-8, 0):
-        sel = (p >= 10.0 ** lo) & (p < 10.0 ** (lo + 1))
-        if lo == -8:
-            sel = p < 10.0 ** (lo + 1)
+    for lo, hi in zip(EDGES[:-1], EDGES[1:]):  # decades of p in the tail, of 1 − p near 1
+        sel = (p >= lo) & ((p < hi) if hi < 1 else (p <= hi))
         if sel.any():
-            decades.append({"p_range": f"[1e{lo}, 1e{lo + 1})" if lo > -8 else f"< 1e{lo + 1}",
-                            # the last decade is [0.1, 1]
-                            "tokens": int(sel.sum()), "mean_abs_dlogp": float(d[sel].mean()),
+            decades.append({"p_range": f"[{lo:g}, {hi:g}{')' if hi < 1 else ']'}", "tokens": int(sel.sum()), "mean_abs_dlogp": float(d[sel].mean()),
                             "max_abs_dlogp": float(d[sel].max()), "share_abs_dlogp": float(d[sel].sum()) / total_abs,
                             "mean_envelope": float(envelope[sel].mean())})
     delta, eps_tv = float(m["kl"].max()), float(m["tv"].max())
