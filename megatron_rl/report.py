@@ -147,7 +147,12 @@ def _rewards(p: _Plotter):
     p.shade_warmup(ax)
     drew = p.line(ax, "rollout/reward_mean", "rollout reward", smooth=True)
     drew |= p.line(ax, "batch/reward_mean", "train batch (after filtering)", smooth=True)
-    for key in m.matching(r"eval/(reward_mean|pass@\d+|[^/]+/(reward_mean|pass@\d+))"):
+    drawn = []
+    evals = m.matching(r"eval/(reward_mean|pass@\d+|[^/]+/(reward_mean|pass@\d+))")
+    for key in sorted(evals, key=lambda k: (k != "eval/reward_mean", k)):
+        if m.series(key) in drawn:  # pass@1 of one greedy sample with a 0/1 reward is the mean reward
+            continue
+        drawn.append(m.series(key))
         drew |= p.line(ax, key, "eval" + (" (greedy)" if key == "eval/reward_mean" else ": " + key[5:]))
     if not drew:
         p.plt.close(fig)
