@@ -252,9 +252,14 @@ def _time(p: _Plotter):
     order = sorted(range(len(phases)), key=lambda i: -sum(rows[i]))
     fig, (ax,) = p.figure(1, 3.8)
     ax.stackplot(steps, *[rows[i] for i in order], labels=[phases[i][5:] for i in order], alpha=0.85)
-    ax.plot(steps, [line["time/step"] for line in m.lines if "time/step" in line], color="k", lw=0.6, label="step")
+    totals = [line["time/step"] for line in m.lines if "time/step" in line]
+    ax.plot(steps, totals, color="k", lw=0.6, label="step")
     ax.set_ylabel("seconds")
     ax.set_title("time per step, by phase")
+    typical = sorted(totals)[len(totals) // 2]
+    if max(totals) > 6 * typical > 0:  # a few slow steps (a loaded machine, checkpoints) would flatten the rest
+        ax.set_ylim(0, 4 * typical)
+        ax.set_title(f"time per step, by phase (clipped: slowest step {max(totals):.0f} s)")
     return p.save(fig, "time.png"), "Wall time of each driver phase per step, stacked; the black line is the whole step."
 
 
