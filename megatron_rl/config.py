@@ -21,6 +21,7 @@ from megatron_rl import config_io
 from megatron_rl.advantages import AdvantageConfig
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.diagnostics import DiagnosticsConfig
 from megatron_rl.launch.slurm import SlurmConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
@@ -172,14 +173,44 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Evaluation on held-out prompts through the rollout engines (after the weight sync)."""
+    """Evaluation on held-out prompts through the rollout engines (after the weight sync), scored by the
+    run's reward: ``pass@j`` (unbiased estimator, j = 1, 2, 4, ..., k) and ``mean@n`` per dataset.
+
+    datasets:       name -> prompts; metrics ``eval/<name>/...`` per dataset (with more than one) and
+                    ``eval/...`` over all of them (prompt-weighted). ``data``: one unnamed dataset (an alias).
+    k:              pass@k with up to k; ``n_samples`` (>= k, default k) samples per prompt.
+    greedy:         None: greedy decoding when one sample per prompt, else the rollout's sampling.
+    pass_threshold: a sample passes when its reward is >= this.
+    """
 
     data: Optional[DataConfig] = None
+    datasets: Dict[str, DataConfig] = field(default_factory=dict)
     interval: int = 0  # steps between evaluations (0: never); also before the first and after the last step
-    max_prompts: int = 256
-    greedy: bool = True
-    n_samples: int = 1
+    max_prompts: int = 256  # per dataset
+    k: int = 1
+    n_samples: Optional[int] = None
+    greedy: Optional[bool] = None
+    pass_threshold: float = 1.0
     max_new_tokens: Optional[int] = None  # None: rollout.sampling.max_new_tokens
+
+    def __post_init__(self) -> None:
+        if self.data is not None and self.datasets:
+            raise ValueError("eval.data and eval.datasets are both set: eval.data is the one-dataset alias; name it "
+                             "in eval.datasets instead")
+        if self.k < 1 or self.samples_per_prompt < self.k:
+            raise ValueError(f"eval.k={self.k} must be >= 1 and eval.n_samples={self.n_samples} >= k (the unbiased "
+                             "pass@k estimator needs n >= k samples per prompt)")
+        if self.greedy and self.samples_per_prompt > 1:
+            raise ValueError(f"eval.greedy=true with {self.samples_per_prompt} samples per prompt (eval.k / "
+                             "eval.n_samples): greedy samples are all the same; set eval.greedy=null")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.k if self.n_samples is None else self.n_samples
+
+    @property
+    def named_datasets(self) -> Dict[str, DataConfig]:
+        return {"eval": self.data} if self.data is not None else dict(self.datasets)
 
 
 @dataclass(frozen=True)
@@ -254,6 +285,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     slurm: Optional[SlurmConfig] = None  # read by `megatron-rl slurm`; ignored by the run itself
 
     def __post_init__(self) -> None:

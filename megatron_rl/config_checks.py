@@ -166,11 +166,11 @@ def _warmup(cfg: RunConfig, out: List[str]) -> None:
 
 def _eval(cfg: RunConfig, out: List[str]) -> None:
     e = cfg.eval
-    if e.interval < 0 or e.max_prompts < 1 or e.n_samples < 1:
-        out.append(f"eval.interval={e.interval} must be >= 0, eval.max_prompts={e.max_prompts} and eval.n_samples="
-                   f"{e.n_samples} >= 1")
-    if e.interval > 0 and e.data is None:
-        out.append(f"eval.interval={e.interval} but eval.data is not set; give eval.data.path or set eval.interval=0")
+    if e.interval < 0 or e.max_prompts < 1:
+        out.append(f"eval.interval={e.interval} must be >= 0 and eval.max_prompts={e.max_prompts} >= 1")
+    if e.interval > 0 and not e.named_datasets:
+        out.append(f"eval.interval={e.interval} but eval.data is not set; give eval.data.path (or eval.datasets) or "
+                   "set eval.interval=0")
     if cfg.checkpoint.interval < 0:
         out.append(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: only at the end)")
     if cfg.stop_after_steps is not None and cfg.stop_after_steps < 1:

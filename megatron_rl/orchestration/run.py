@@ -92,7 +92,7 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.sampler = PromptSampler.from_config(self.dataset)
-        self.eval_dataset = PromptDataset(cfg.eval.data, self.tokenizer) if cfg.eval.data is not None else None
+        self.eval_datasets = {name: PromptDataset(d, self.tokenizer) for name, d in cfg.eval.named_datasets.items()}
         reward_cfg = cfg.reward
         if not cfg.logging.progress:  # the runner's own bar follows the run's switch
             reward_cfg = dataclasses.replace(reward_cfg, progress_min_batch=2**62)
@@ -168,8 +168,8 @@ class Run:
         self._closers.append(self.rollouts.close)
         from megatron_rl.orchestration.evaluate import Evaluator
 
-        self.evaluator = (Evaluator(cfg.eval, self.eval_dataset, self.rollouts, cfg.seed)
-                          if self.eval_dataset is not None else None)
+        self.evaluator = (Evaluator(cfg.eval, self.eval_datasets, self.rollouts, cfg.seed)
+                          if self.eval_datasets else None)
 
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint
@@ -271,15 +271,16 @@ class Run:
     def _needs_forward(self, objective: ObjectiveConfig) -> bool:
         cfg = self.cfg
         kl = objective.kl_penalty
-        return (objective.policy.mode == "decoupled" or cfg.advantage.estimator == "otb"
+        return (objective.policy.mode == "decoupled" or cfg.advantage.estimator == "otb" or cfg.diagnostics.gain
                 or objective.dense_kl.beta > 0 or (kl.coef > 0 and kl.placement == "reward"))
 
     def advantages(self, tb, fwd, batch: RolloutBatch, step: int):
         with self.timer.phase("advantages"):
             rewards = [x for g in batch.groups for x in g.rewards]
+            per_token = [t for g in batch.groups for t in (g.token_rewards or [None] * len(g.rewards))]
             adv, metrics = batching.compute_step_advantages(
                 self.cfg.advantage, self.cfg.objective_at(step), tb, rewards, fwd,
-                imitation_only=self.is_warmup(step), ref_logprobs=tb.ref_logprobs)
+                imitation_only=self.is_warmup(step), ref_logprobs=tb.ref_logprobs, per_token=per_token)
         return tb.replace(advantages=adv), metrics
 
     def train(self, tb, step: int) -> Dict[str, float]:
@@ -291,6 +292,20 @@ class Run:
                "train/warmup": float(self.is_warmup(step))}
         out.update(result.metrics)
         return out
+
+    def gain(self, tb, batch: RolloutBatch, step: int) -> Dict[str, float]:
+        """``diagnostics.gain``: the update's gain decomposition (math_spec §h.3) from a forward of the same
+        batch under the new weights against its old log-probs (``megatron_rl.diagnostics``)."""
+        d = self.cfg.diagnostics
+        if not d.gain or tb.old_logprobs is None:
+            return {}
+        from megatron_rl.diagnostics import gain_decomposition
+
+        with self.timer.phase("diagnostics"):
+            new = self.trainers.forward(tb, self.cfg.objective_at(step))
+            rewards = [x for g in batch.groups for x in g.rewards]
+            return gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
+                                      d.reward_max)
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         with self.timer.phase("weight_sync"):
