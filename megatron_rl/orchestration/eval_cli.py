@@ -89,35 +89,23 @@ def resolve(target: str, overrides, model: Optional[str] = None) -> EvalSetup:
 
 
 def _engine(setup: EvalSetup, closers: list):
-    """A RemoteEngine over the servers the rollout config names (started here for embedded / sglang)."""
-    import torch
-
+    """A RemoteEngine over the servers the rollout config names (started here for embedded / sglang, the way
+    the run's engine workers start them, in this process)."""
+    from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
     from megatron_rl.rollout.balancer import RemoteEngine
     from megatron_rl.rollout.http_client import SGLangClient
 
     r = setup.rollout
     if r.engine == "remote":
         urls = list(r.urls)
-    elif r.engine == "sglang":
-        from megatron_rl.rollout.sglang import SGLangServerConfig, launch_sglang_server
-
-        s = r.sglang
-        proc = launch_sglang_server(SGLangServerConfig(
-            model_path=setup.model, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction_static, dtype=s.dtype,
-            random_seed=setup.seed, sampling_backend=s.sampling_backend, extra_args=tuple(s.extra_args),
-            env=dict(s.env), health_timeout_s=s.health_timeout_s))
-        closers.append(proc.stop)
-        urls = [proc.url]
     else:
-        from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-        from megatron_rl.rollout.server import EmbeddedServer
+        import torch
 
-        engine = EmbeddedEngine.from_pretrained(
-            setup.model, EmbeddedEngineConfig(logprob_mode=r.logprob_mode, seed=setup.seed, max_batch_rows=256),
-            dtype=getattr(torch, r.embedded_dtype), device="cuda" if torch.cuda.is_available() else "cpu")
-        server = EmbeddedServer(engine).start()
-        closers.append(server.stop)
-        urls = [server.url]
+        worker = EngineWorker(EngineSpec(kind=r.engine, model_path=setup.model, deterministic=r.deterministic_inference,
+                                         seed=setup.seed, dtype=r.embedded_dtype, sglang=r.sglang,
+                                         threads=torch.get_num_threads()))
+        closers.append(worker.stop)
+        urls = [worker.start()]
     remote = RemoteEngine([SGLangClient(u, timeout_s=r.request_timeout_s, logprob_mode=r.logprob_mode) for u in urls],
                           policy=r.balancer, max_concurrency=r.max_concurrency)
     closers.append(remote.shutdown)
