@@ -71,7 +71,7 @@ def test_compare_names_the_worst_position_and_token():
     with pytest.raises(WeightMismatchError, match=r"mean \|diff\| 0.3 over 8 positions \(tolerance 1, mean 0.1\)"):
         compare_logprobs(trainer, trainer + 0.3, 1.0, ids, mean_tolerance=0.1)
     engine[2] = math.nan  # not finite: a failure even though nan > tol is False
-    with pytest.raises(WeightMismatchError, match="by up to inf .* at probe position 2"):
+    with pytest.raises(WeightMismatchError, match="by up to inf at probe position 2"):
         compare_logprobs(trainer, engine, 1e-4, ids)
     with pytest.raises(WeightMismatchError, match="did not score the whole probe"):
         compare_logprobs(trainer, trainer[:-1], 1e-4, ids)
