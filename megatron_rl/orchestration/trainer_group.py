@@ -89,8 +89,8 @@ class TrainerGroup:
         ref = ray.put(extra)  # one copy in the object store, read by every rank
         return self._rank0("save_checkpoint", ckpt_cfg, ref, step)
 
-    def load_checkpoint(self, root: str):
-        return self._rank0("load_checkpoint", root)
+    def load_checkpoint(self, root: str, step: Optional[int] = None):
+        return self._rank0("load_checkpoint", root, step)
 
     def save_hf(self, path: str) -> None:
         self._call("save_hf", path)

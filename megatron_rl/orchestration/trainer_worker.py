@@ -159,10 +159,10 @@ class TrainerWorker:
 
         return save_checkpoint(self.trainer, ckpt_cfg, extra, step=step)
 
-    def load_checkpoint(self, root: str):
+    def load_checkpoint(self, root: str, step: Optional[int] = None):
         from megatron_rl.training.checkpoint import load_checkpoint
 
-        result = load_checkpoint(self.trainer, root)
+        result = load_checkpoint(self.trainer, root, step)
         return result if self.rank == 0 else None
 
     def save_hf(self, path: str) -> None:
