@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.training import checkpoint_integrity as integrity
-from megatron_rl.training.checkpoint_integrity import CheckpointCorruptError, CheckpointSpaceError
+from megatron_rl.training.checkpoint_integrity import (CheckpointCorruptError, CheckpointMismatchError,
+                                                       CheckpointSpaceError)
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -514,8 +515,8 @@ def load_checkpoint(trainer, root: str, step: Optional[int] = None, *, load_opti
         raise ValueError(f"{path}: checkpoint format {saved.get('format_version')} != {FORMAT_VERSION}")
     mismatch = signature_mismatch(saved.get("model"), model_signature(trainer.built.arch))
     if mismatch:
-        raise ValueError(f"{path} holds another model: {mismatch}. Resume with the model it was trained from, or "
-                         "start a new run (another logging.output_dir, or overwrite=true)")
+        raise CheckpointMismatchError(f"{path} holds another model: {mismatch}. Resume with the model it was trained "
+                                      "from, or start a new run (another logging.output_dir, or overwrite=true)")
     with_opt = load_optimizer and trainer.optimizer is not None
     if with_opt and not saved.get("has_optimizer"):
         raise ValueError(f"{path} holds no optimizer state; load with load_optimizer=False")

@@ -27,6 +27,10 @@ class CheckpointCorruptError(ValueError):
     """A checkpoint's files do not match its manifest (or cannot be read)."""
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that cannot be loaded into this trainer (another model shape)."""
+
+
 class CheckpointSpaceError(OSError):
     """Not enough free space for a checkpoint."""
 

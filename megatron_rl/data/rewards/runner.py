@@ -1,8 +1,9 @@
 """Score a batch of responses: ``RewardRunner(config).compute_rewards(responses, labels)``.
 
-A sample whose reward raised, timed out, returned something that is not a finite number, or whose
-worker died is *failed*: it gets ``config.failure_reward``, ``failed=True`` and a reason, is counted in
-the stats and logged — and the batch completes. Only a broken set-up (a ``custom_fn`` that cannot be
+A sample whose reward raised, timed out, returned something that is not a number (a string such as
+"1.0" included) or not a finite float32 (1e300 would overflow the float32 advantages), or whose worker
+died is *failed*: it gets ``config.failure_reward``, ``failed=True`` and a reason, is counted in the
+stats and logged — and the batch completes. Only a broken set-up (a ``custom_fn`` that cannot be
 imported: ``ValueError`` at construction; workers that cannot start: ``RuntimeError``) raises.
 """
 
@@ -20,10 +21,12 @@ from tqdm.auto import tqdm
 from megatron_rl.data.rewards.config import RewardConfig
 from megatron_rl.data.rewards.pool import Outcome, RewardWorkerPool
 from megatron_rl.data.rewards.resolve import build_reward_fn
+from megatron_rl.data.rewards.worker import as_reward
 
 logger = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("exception", "timeout", "non_finite", "worker_died")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -91,7 +94,7 @@ class RewardRunner:
     def _run_in_process(self, task: tuple, bar: Any) -> Outcome:
         response, label, info = task
         try:
-            outcome = Outcome(value=float(self._fn(response, label, info)))
+            outcome = Outcome(value=as_reward(self._fn(response, label, info)))
         except Exception as exc:
             outcome = Outcome(kind="exception", error=f"{type(exc).__name__}: {exc}")
         bar.update(1)
@@ -103,6 +106,10 @@ class RewardRunner:
         for o in outcomes:
             if o.kind is None and not math.isfinite(o.value):  # type: ignore[arg-type]
                 o = Outcome(kind="non_finite", error=f"reward function returned {o.value!r}")
+            elif o.kind is None and abs(o.value) > FLOAT32_MAX:  # type: ignore[arg-type]
+                # rewards become float32 advantages: 1e300 would turn into inf, then NaN advantages
+                o = Outcome(kind="non_finite", error=f"reward function returned {o.value!r}, beyond float32 "
+                                                     f"(|r| <= {FLOAT32_MAX:.3g})")
             reasons.append(None if o.kind is None else f"{o.kind}: {o.error}")
             rewards.append(self.config.failure_reward if o.kind is not None else float(o.value))  # type: ignore[arg-type]
         failed = [r is not None for r in reasons]
