@@ -341,7 +341,7 @@ def build_run_config(mapping: Mapping[str, Any]) -> RunConfig:
     optim = mapping.get("optim")
     if isinstance(optim, Mapping) and _number(optim.get("lr")) is not None \
             and not (math.isfinite(_number(optim["lr"])) and _number(optim["lr"]) > 0):
-        raise config_io.ConfigError(f"optim.lr={optim['lr']!r} must be a finite number > 0 (e.g. 1e-6)")
+        raise config_io.ConfigError(f"optim.lr={_number(optim['lr']):g} must be a finite number > 0 (e.g. 1e-6)")
     if isinstance(optim, Mapping) and "lr" in optim and isinstance(optim.get("schedule"), Mapping) \
             and "lr" not in optim["schedule"]:
         # optim.lr is the peak LR; the schedule validates min_lr against its own lr when it is built, before

@@ -98,6 +98,9 @@ def _models(cfg: RunConfig, out: List[str]) -> None:
 def _reward(cfg: RunConfig, out: List[str]) -> None:
     if cfg.reward.kind != "custom" or not cfg.reward.custom_fn:
         return
+    target = cfg.reward.custom_fn.rsplit(":", 1)[0]
+    if target.endswith(".py") and not os.path.isfile(target):
+        return  # reported by config_checks._paths
     from megatron_rl.data.rewards.resolve import load_custom_fn
 
     try:
@@ -110,7 +113,7 @@ def _writable(cfg: RunConfig, out: List[str]) -> None:
     for field, path in (("logging.output_dir", cfg.output_dir), ("checkpoint.root", cfg.checkpoint_root)):
         if os.path.exists(path) and not os.path.isdir(path):
             out.append(f"{field}={path!r} is a file, not a directory; choose a directory")
-            continue
+            return  # the checkpoint root usually lies inside: one message is enough
         existing = os.path.abspath(path)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)

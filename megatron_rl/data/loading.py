@@ -107,11 +107,13 @@ def _jsonl_rows(path: str, where: str) -> List[Tuple[int, dict]]:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
-    if text.lstrip().startswith("["):  # one JSON array
+    data = None
+    if text.lstrip().startswith("["):  # one JSON array (``.json``), or JSON lines that are arrays
         try:
             data = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        except ValueError:
+            pass
+    if isinstance(data, list):
         rows: Iterable[Tuple[int, object]] = enumerate(data, start=1)
         unit = "item"
     else:

@@ -69,7 +69,7 @@ def cli_main(args: argparse.Namespace) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     from megatron_rl.orchestration.driver import train
-    from megatron_rl.orchestration.failures import RunError
+    from megatron_rl.orchestration.failures import user_errors
     from megatron_rl.orchestration.signals import Interrupted
 
     try:
@@ -77,8 +77,9 @@ def cli_main(args: argparse.Namespace) -> int:
     except ConfigError as e:  # found only once the run read its inputs
         print(f"megatron-rl train: config error: {e}", file=sys.stderr)
         return 2
-    except RunError as e:
-        print(f"megatron-rl train: failed: {e}", file=sys.stderr)
+    except user_errors() as e:  # a dead rank or server, a full disk, diverged weights: the message says it all
+        first, *rest = str(e).splitlines() or [type(e).__name__]
+        print("\n".join([f"megatron-rl train: failed: {first}; {_resume_hint(cfg, e)}", *rest]), file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT

@@ -21,6 +21,8 @@ the loss had to leave out as non-finite.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from typing import Dict, List, Optional, Tuple
 
 from megatron_rl.config import RunConfig
@@ -63,12 +65,20 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
             metrics.update(run.evaluate(step))
             stopping = stop.requested is not None
             saved = run.checkpoint(step, pending, metrics, force=stopping)
+            _fault_point("after_checkpoint", step)
             history.append(run.log(step, metrics, batch))
             watch.update(step, metrics)
             if stopping:
                 raise Interrupted(stop.requested, checkpoint_step=step if saved else None)
     watch.summary()
     return history
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Fault injection for the reliability tests (``tools/chaos.py``): ``MEGATRON_RL_FAULT=after_checkpoint:4``
+    kills the driver (SIGKILL) at that point of that step."""
+    if os.environ.get("MEGATRON_RL_FAULT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def warn_numerics(step: int, m: Dict[str, float]) -> None:

@@ -87,6 +87,7 @@ def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
     except BaseException:
         guard.release()
         raise
+    guard.watch(ray._private.worker._global_node.get_session_dir_path())  # every Ray process logs in there
     return LocalRay(guard)
 
 

@@ -319,54 +319,6 @@ def _space_needed(trainer, root: str, with_opt: bool) -> int:
     return int((model + optim) * 1.1) + 2**16
 
 
-def _on_every_rank(fn, root: str, need: int, tmp: str) -> Any:
-    """Run ``fn`` on every rank; if it failed on any, raise on every rank (no rank is left waiting in a later
-    collective). A failure for want of space becomes one :class:`CheckpointSpaceError` saying how much is
-    needed and free (after the partial save is removed)."""
-    error, result = None, None
-    try:
-        result = fn()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; re-raised below
-        error = e
-    report = None
-    if error is not None:  # dist-checkpointing may wrap the OSError beyond recognition: also look at the disk
-        space = integrity.is_out_of_space(error) or shutil.disk_usage(root).free < need
-        report = (space, f"{type(error).__name__}: {error}")
-    reports: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    failed = [r for r in reports if r is not None]
-    if not failed:
-        return result
-    if any(space for space, _ in failed):
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint is untouched
-        dist.barrier()
-        raise CheckpointSpaceError(integrity.no_space_message(root, need)) from error
-    if error is not None:
-        raise error
-    raise RuntimeError(f"checkpoint save failed on another rank: {failed[0][1]}")
-
-
-def _checksums(tmp: str) -> Dict[str, Tuple[int, int]]:
-    """``{file: (size, crc32)}`` of the save in ``tmp``: every rank reads a share of the files (collective;
-    an unreadable file fails every rank)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    names = [integrity.checkpoint_files(tmp) if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    try:
-        mine: Any = integrity.describe(tmp, names[0][rank::world])
-    except OSError as e:
-        mine = f"{type(e).__name__}: {e}"
-    parts: List[Any] = [None] * world
-    dist.all_gather_object(parts, mine)
-    errors = [p for p in parts if isinstance(p, str)]
-    if errors:
-        raise RuntimeError(f"checkpoint save: cannot read back what was written in {tmp}: {errors[0]}")
-    return {k: v for part in parts for k, v in part.items()}
-
-
 def save_checkpoint(trainer, cfg: CheckpointConfig, extra: Optional[Dict[str, Any]] = None, *,
                     step: Optional[int] = None) -> str:
     """Save ``trainer`` (collective: every rank calls it) as ``cfg.root/iter_<step>``; return the path.
@@ -394,14 +346,14 @@ def save_checkpoint(trainer, cfg: CheckpointConfig, extra: Optional[Dict[str, An
                 raise CheckpointSpaceError(problem)
             os.makedirs(tmp)
 
-    _on_every_rank(prepare, root, need, tmp)
+    integrity.on_every_rank(prepare, root, need, tmp)
     state = _sharded_state(trainer, with_opt, cfg.optimizer_format, is_loading=False)
     state["rng_state"] = _rng_object(_rng_state())
     state["trainer"] = dict(_trainer_state(trainer), has_optimizer=with_opt, optimizer_format=cfg.optimizer_format)
     state["extra"] = dict(extra or {})
-    _on_every_rank(lambda: dist_checkpointing.save(state, tmp), root, need, tmp)
-    entries = _checksums(tmp)
-    _on_every_rank(lambda: rank0 and integrity.write_manifest(tmp, entries), root, need, tmp)
+    integrity.on_every_rank(lambda: dist_checkpointing.save(state, tmp), root, need, tmp)
+    entries = integrity.checksums(tmp)
+    integrity.on_every_rank(lambda: rank0 and integrity.write_manifest(tmp, entries), root, need, tmp)
     if _first_rank_on_host():
         _fsync_tree(tmp)
     dist.barrier()
@@ -454,39 +406,10 @@ def _candidates(root: str, step: Optional[int]) -> List[str]:
     return [latest] + [os.path.join(root, iter_name(s)) for s in reversed(list_checkpoints(root)) if s < newest]
 
 
-def _agreed_problem(problem: Optional[str]) -> Optional[str]:
-    problems: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    return next((p for p in problems if p), None)
-
-
-def _verify(path: str) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
-    """``(problem, common state)`` of one checkpoint, the same on every rank (collective): the manifest's
-    files checked (each rank a share), then the common state read."""
-    from megatron.core import dist_checkpointing
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        expected = integrity.read_manifest(path)
-        problem = None if expected is None else integrity.verify(path, expected, sorted(expected)[rank::world])
-    except (OSError, CheckpointCorruptError) as e:
-        problem = str(e)
-    problem = _agreed_problem(problem)
-    common = None
-    if problem is None:
-        try:
-            common = dist_checkpointing.load_common_state_dict(path)
-            common["trainer"]["step"]  # noqa: B018 - present in every checkpoint this module wrote
-        except Exception as e:  # noqa: BLE001 - a torn file surfaces as EOFError, UnpicklingError, KeyError...
-            problem = f"{os.path.join(path, 'common.pt')} cannot be read ({type(e).__name__}: {e})"
-        problem = _agreed_problem(problem)
-    return problem, common
-
-
 def _intact_checkpoint(root: str, step: Optional[int]) -> Tuple[str, Dict[str, Any], List[str]]:
     skipped: List[str] = []
     for path in _candidates(root, step):
-        problem, common = _verify(path)
+        problem, common = integrity.verify_collective(path)
         if problem is None:
             return path, common, skipped
         name = os.path.basename(path)

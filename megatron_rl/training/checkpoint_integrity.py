@@ -1,5 +1,5 @@
-"""Checkpoint integrity and disk space, without torch.distributed (``checkpoint.py`` spreads the work
-over the ranks).
+"""Checkpoint integrity and disk space (used by ``checkpoint.py``; the file-level helpers need no
+torch.distributed, the collective ones spread the reading over the ranks and agree on one outcome).
 
 * A manifest (``manifest.json``: every file's size and CRC-32) is written into each checkpoint before it
   is committed and checked before it is loaded. A torn or flipped file otherwise surfaces deep inside
@@ -17,7 +17,9 @@ import json
 import os
 import shutil
 import zlib
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 2**20
@@ -140,3 +142,85 @@ def is_out_of_space(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# collective (every rank calls these)
+# ---------------------------------------------------------------------------------------------------
+
+
+def on_every_rank(fn: Callable[[], Any], root: str, need: int, tmp: str) -> Any:
+    """Run ``fn`` on every rank; if it failed on any, raise on every rank (no rank is left waiting in a later
+    collective). A failure for want of space becomes one :class:`CheckpointSpaceError` saying how much is
+    needed and free (after the partial save is removed)."""
+    error, result = None, None
+    try:
+        result = fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; re-raised below
+        error = e
+    report = None
+    if error is not None:  # dist-checkpointing may wrap the OSError beyond recognition: also look at the disk
+        space = is_out_of_space(error) or shutil.disk_usage(root).free < need
+        report = (space, f"{type(error).__name__}: {error}")
+    reports: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    failed = [r for r in reports if r is not None]
+    if not failed:
+        return result
+    if any(space for space, _ in failed):
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint is untouched
+        dist.barrier()
+        raise CheckpointSpaceError(no_space_message(root, need)) from error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"checkpoint save failed on another rank: {failed[0][1]}")
+
+
+def checksums(tmp: str) -> Dict[str, Tuple[int, int]]:
+    """``{file: (size, crc32)}`` of the save in ``tmp``: every rank reads a share of the files (collective;
+    an unreadable file fails every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [checkpoint_files(tmp) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    try:
+        mine: Any = describe(tmp, names[0][rank::world])
+    except OSError as e:
+        mine = f"{type(e).__name__}: {e}"
+    parts: List[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    errors = [p for p in parts if isinstance(p, str)]
+    if errors:
+        raise RuntimeError(f"checkpoint save: cannot read back what was written in {tmp}: {errors[0]}")
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _agreed(problem: Optional[str]) -> Optional[str]:
+    problems: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+def verify_collective(path: str) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """``(problem, common state)`` of one checkpoint, the same on every rank (collective): the manifest's
+    files checked (each rank a share), then the common state read."""
+    from megatron.core import dist_checkpointing
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        expected = read_manifest(path)
+        problem = None if expected is None else verify(path, expected, sorted(expected)[rank::world])
+    except (OSError, CheckpointCorruptError) as e:
+        problem = str(e)
+    problem = _agreed(problem)
+    common = None
+    if problem is None:
+        try:
+            common = dist_checkpointing.load_common_state_dict(path)
+            common["trainer"]["step"]  # noqa: B018 - present in every checkpoint this module wrote
+        except Exception as e:  # noqa: BLE001 - a torn file surfaces as EOFError, UnpicklingError, KeyError...
+            problem = f"{os.path.join(path, 'common.pt')} cannot be read ({type(e).__name__}: {e})"
+        problem = _agreed(problem)
+    return problem, common
