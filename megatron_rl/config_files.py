@@ -7,7 +7,7 @@
 * ``reward.custom_fn`` imports and has the function;
 * the output directory and checkpoint root can be written;
 * resuming: the ``latest`` pointer names a checkpoint, ``resume_step`` exists, and the checkpoint was trained
-  from a model of this shape;
+  from a model of this shape, with this LR schedule;
 * ``rollout.urls`` of remote servers answer ``/health``.
 """
 
@@ -152,7 +152,10 @@ def _resume(cfg: RunConfig, out: List[str]) -> None:
 
 
 def _same_model(cfg: RunConfig, path: str, out: List[str]) -> None:
-    """The checkpoint's model shape (recorded since manifests exist) against ``model.hf_path``'s."""
+    """The checkpoint's model shape (recorded since manifests exist) against ``model.hf_path``'s, and its LR
+    schedule against ``optim``'s (the trainer refuses to continue another schedule)."""
+    import dataclasses
+
     import torch
     from transformers import AutoConfig
 
@@ -169,6 +172,13 @@ def _same_model(cfg: RunConfig, path: str, out: List[str]) -> None:
         out.append(f"resume=true: {path} was trained from another model than model.hf_path={cfg.model.hf_path!r} "
                    f"({mismatch}); resume with that model, or start a new run (another logging.output_dir, or "
                    "overwrite=true)")
+    schedule = (saved.get("schedule") or {}).get("config")
+    now = dataclasses.asdict(cfg.optim.schedule)
+    changed = [f"{k} {schedule[k]!r} (checkpoint) vs {now[k]!r} (now)" for k in now if schedule and k in schedule
+               and schedule[k] != now[k]]
+    if changed:
+        out.append(f"resume=true: {path} continues another LR schedule ({', '.join(changed)}; optim.lr is the "
+                   "schedule's lr); resume with the optim settings it was trained with, or start a new run")
 
 
 def _remote(cfg: RunConfig, out: List[str]) -> None:

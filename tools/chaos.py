@@ -294,6 +294,8 @@ BAD_INPUTS: List[Case] = [
          lambda w, a: _fake_checkpoints(w, "rstep", latest="iter_0000002") + ["resume_step=7"]),
     Case("resume with another model size", [], r"trained from another model than model.hf_path=.*hidden_size",
          lambda w, a: _other_model_checkpoint(w, a)),
+    Case("resume with another learning rate", ["optim.lr=1e-3"], r"continues another LR schedule \(lr 0.005 "
+         r"\(checkpoint\) vs 0.001 \(now\)", lambda w, a: _other_model_checkpoint(w, a, same_model=True)),
     Case("remote server port busy", [], r"rollout.urls\[0\]='http://127.0.0.1:\d+': no SGLang server answers",
          lambda w, a: ["rollout.engine=remote", f"rollout.urls=[http://127.0.0.1:{_busy_port()}]"]),
     Case("remote server not running", ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:9]"],
@@ -314,16 +316,24 @@ def _fake_checkpoints(work: str, name: str, latest: str, resume: bool = True) ->
     return [f"logging.output_dir={out}"] + (["resume=true"] if resume else [])
 
 
-def _other_model_checkpoint(work: str, a: Dict[str, str]) -> List[str]:
-    """A checkpoint directory whose common state records a model of another width."""
+def _other_model_checkpoint(work: str, a: Dict[str, str], same_model: bool = False) -> List[str]:
+    """A checkpoint directory whose common state records a model of another width (or the same model, and the
+    recipe's LR schedule)."""
+    import dataclasses
+
     import torch
+
+    from megatron_rl.config import load_run_config
 
     out = os.path.join(work, "othermodel")
     path = os.path.join(out, "checkpoints", "iter_0000002")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(a["student"], "config.json")) as f:
         hidden = json.load(f)["hidden_size"]
-    torch.save({"trainer": {"step": 2, "model": {"hidden_size": hidden * 2}}}, os.path.join(path, "common.pt"))
+    schedule = dataclasses.asdict(load_run_config(RECIPE, overrides(a, out), check=False).optim.schedule)
+    trainer = {"step": 2, "model": {"hidden_size": hidden if same_model else hidden * 2},
+               "schedule": {"config": schedule, "state": {}, "last_lr": None}}
+    torch.save({"trainer": trainer}, os.path.join(path, "common.pt"))
     _write(os.path.join(out, "checkpoints", "latest"), "iter_0000002\n")
     return [f"logging.output_dir={out}", "resume=true"]
 

@@ -79,6 +79,7 @@ class _Snapshot:
     def __init__(self, optimizer, params: Iterable[torch.Tensor]):
         tensors: List[torch.Tensor] = list(params)
         self.group_steps = []
+        self.stateless = []  # (optimizer, param) without state yet: the step creates it, the restore removes it
         for leaf in _leaf_optimizers(optimizer):
             inner = getattr(leaf, "optimizer", None)
             if inner is None or getattr(leaf, "is_stub_optimizer", False):
@@ -87,7 +88,11 @@ class _Snapshot:
                 self.group_steps.append((group, group.get("step")))
                 for p in group["params"]:
                     tensors.append(p)
-                    tensors += [v for v in inner.state.get(p, {}).values() if torch.is_tensor(v)]
+                    state = inner.state.get(p)
+                    if state:
+                        tensors += [v for v in state.values() if torch.is_tensor(v)]
+                    else:
+                        self.stateless.append((inner, p))
         unique = {id(t): t for t in tensors}
         self.saved = [(t, t.detach().to("cpu", copy=True)) for t in unique.values()]
 
@@ -98,6 +103,8 @@ class _Snapshot:
         for group, step in self.group_steps:
             if step is not None:
                 group["step"] = step
+        for inner, p in self.stateless:
+            inner.state.pop(p, None)
 
 
 def _all_finite(params: Iterable[torch.Tensor]) -> bool:

@@ -123,8 +123,9 @@ def _child(path, small_path, root, tmpfs):
     before = [p.detach().clone() for p in tr.module.parameters()]
     res = tr.train_step(batches[0].split(2)[groups.dp_rank])
     after = [p.detach().clone() for p in tr.module.parameters()]
+    adam_state = sum(len(leaf.optimizer.state) for leaf in getattr(tr.optimizer, "chained_optimizers", [tr.optimizer]))
     out["overflow"] = (res.skipped, res.step, tr.skipped_steps, all(torch.equal(a, b) for a, b in zip(before, after)),
-                       res.metrics.get("train/nonfinite_weights"))
+                       res.metrics.get("train/nonfinite_weights"), adam_state)
     return out
 
 
@@ -160,8 +161,9 @@ def test_checkpoint_faults(tmp_path):
             assert next_step == out["after_1"], "the fallback must resume exactly from step 1"
             assert out[f"explicit_{kind}"].startswith("checkpoint iter_0000002 (step 2) is damaged")
         assert "hidden_size 64 (checkpoint) vs 32 (this model)" in out["other_model"]
-        skipped_, opt_step, n_skipped, unchanged, bad = out["overflow"]
+        skipped_, opt_step, n_skipped, unchanged, bad, adam_state = out["overflow"]
         assert skipped_ and opt_step == 0 and n_skipped == 1 and unchanged and bad > 0
+        assert adam_state == 0, "the rolled-back first step must leave no Adam state behind"
     if tmpfs is None:
         pytest.skip("disk-full case needs root and tmpfs (mount -t tmpfs); the other cases passed")
     for out in outs:

@@ -5,7 +5,7 @@
   problem naming the field or file, never a traceback, and leaves a previous run's files as they were;
 * a cold GRPO start whose first steps have no signal (dynamic sampling drops every group): it checkpoints before
   any optimizer step, warns about the steps that changed nothing (with their real step numbers, no loss), and
-  resumes;
+  resumes; updates that would make the weights non-finite are rolled back and reported the same way;
 * the fault chain: kill -9 of a trainer rank, SIGTERM with ``checkpoint.on_signal``, kill -9 of the driver
   between committing a checkpoint and writing its metrics line, SIGTERM, a damaged newest checkpoint, kill -9
   of the rollout engine — each resumed — ends with metrics equal to an uninterrupted run's (timings excluded);
@@ -59,6 +59,24 @@ def test_cold_start_without_signal_checkpoints_warns_and_resumes(tmp_path, asset
     check_ok(proc)
     assert "resumed from" in proc.stderr and "at step 2" in proc.stderr
     assert [m["step"] for m in read_metrics(str(out))] == [1, 2, 3]
+
+
+def test_diverging_update_is_rolled_back_and_reported(tmp_path, assets):
+    """Finite gradients, a finite but absurd LR and weight decay: every update would make the weights inf. Each
+    step is rolled back (the engines keep finite weights: the sync check passes), logged with its step and
+    without a loss, and the run warns that nothing changed."""
+    out = tmp_path / "diverge"
+    extra = ["optim.lr=1e30", "optim.weight_decay=1e10", "eval.interval=0", "logging.warn_no_update_steps=2"]
+    proc = run_cli(["train", TINY_RECIPE, *tiny_overrides(assets, out, *extra, steps=2, warmup=2)])
+    check_ok(proc)
+    lines = read_metrics(str(out))
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["train/skipped"] == 1.0 and m["train/nonfinite_weights"] == 1.0 and m["train/optimizer_step"] == 0.0
+        assert "train/loss" not in m and m["sync/probe_max_abs_diff"] < 1e-4
+    for step in (1, 2):
+        assert f"step {step}: optimizer step skipped (the update made the weights non-finite; rolled back)" in proc.stderr
+    assert "steps 1-2: 2 steps in a row changed no weight" in proc.stderr
 
 
 def test_fault_chain_resumes_to_the_uninterrupted_metrics(tmp_path, assets):
