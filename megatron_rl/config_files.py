@@ -167,7 +167,7 @@ def _same_model(cfg: RunConfig, path: str, out: List[str]) -> None:
         current = model_signature(HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path)))
     except Exception:  # noqa: BLE001 - a damaged checkpoint is the run's to skip (with a warning); files: reported
         return
-    mismatch = signature_mismatch(saved.get("model"), current)
+    mismatch = signature_mismatch(saved.get("model_shape"), current)
     if mismatch:
         out.append(f"resume=true: {path} was trained from another model than model.hf_path={cfg.model.hf_path!r} "
                    f"({mismatch}); resume with that model, or start a new run (another logging.output_dir, or "

@@ -331,7 +331,7 @@ def _other_model_checkpoint(work: str, a: Dict[str, str], same_model: bool = Fal
     with open(os.path.join(a["student"], "config.json")) as f:
         hidden = json.load(f)["hidden_size"]
     schedule = dataclasses.asdict(load_run_config(RECIPE, overrides(a, out), check=False).optim.schedule)
-    trainer = {"step": 2, "model": {"hidden_size": hidden if same_model else hidden * 2},
+    trainer = {"step": 2, "model_shape": {"hidden_size": hidden if same_model else hidden * 2},
                "schedule": {"config": schedule, "state": {}, "last_lr": None}}
     torch.save({"trainer": trainer}, os.path.join(path, "common.pt"))
     _write(os.path.join(out, "checkpoints", "latest"), "iter_0000002\n")

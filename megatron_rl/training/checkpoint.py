@@ -10,7 +10,8 @@ Layout of ``root``::
 Contents: model weights and optimizer state (sharded tensors; every rank writes its own shards),
 the RNG states of every rank (a sharded object, restored only into the same layout), and in the common
 part (written once): step, skipped-step counter, LR and LR-schedule state (the length-surge state
-machine included), the parallel layout, and the driver's opaque ``extra`` dict (sampler position...).
+machine included), the parallel layout, the ``ModelConfig`` (``megatron-rl export`` rebuilds the model from
+it), and the driver's opaque ``extra`` dict (sampler position...).
 
 Atomicity: all ranks write into ``.tmp_iter_N``; every host fsyncs the files; rank 0 renames the
 directory to ``iter_N`` and then atomically replaces ``latest`` (write ``latest.tmp``, fsync,
@@ -43,6 +44,7 @@ needed a fix-up after loading, see :func:`_restore_adam_steps`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -248,7 +250,8 @@ def _trainer_state(trainer) -> Dict[str, Any]:
         "lr": trainer.lr,
         "schedule": None if trainer.schedule is None else trainer.schedule.state_dict(),
         "layout": _layout(trainer),
-        "model": model_signature(trainer.built.arch),
+        "model": dataclasses.asdict(trainer.built.cfg),  # what `megatron-rl export` rebuilds the model from
+        "model_shape": model_signature(trainer.built.arch),  # checked before a load (resume with another model)
     }
 
 
@@ -436,7 +439,7 @@ def load_checkpoint(trainer, root: str, step: Optional[int] = None, *, load_opti
     saved = common["trainer"]
     if saved.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {saved.get('format_version')} != {FORMAT_VERSION}")
-    mismatch = signature_mismatch(saved.get("model"), model_signature(trainer.built.arch))
+    mismatch = signature_mismatch(saved.get("model_shape"), model_signature(trainer.built.arch))
     if mismatch:
         raise CheckpointMismatchError(f"{path} holds another model: {mismatch}. Resume with the model it was trained "
                                       "from, or start a new run (another logging.output_dir, or overwrite=true)")

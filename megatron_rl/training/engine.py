@@ -204,6 +204,7 @@ class PolicyTrainer:
                    f"{metrics['train/nonfinite_policy_tokens']:.0f} non-finite policy tokens)")
             logger.warning("train step skipped after %d optimizer steps: %s; %d step(s) skipped so far",
                            self.step, why, self.skipped_steps)
+        metrics.update(self.schedule.metrics())  # the length-surge state (the run report plots it)
         metrics.update(self.routing.after_step(batch, tracker, metrics, routing_metrics))
         return StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not applied,
                           skipped_steps=self.skipped_steps, metrics=metrics)

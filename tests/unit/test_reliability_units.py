@@ -90,6 +90,7 @@ def test_rendezvous_store_listens_on_its_host_only():
 
 
 def test_signals_graceful_then_immediate(caplog):
+    before = signal.getsignal(signal.SIGTERM)
     with StopSignals(graceful=True) as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested == signal.SIGTERM  # noted: the step finishes, is checkpointed, then the run stops
@@ -100,7 +101,7 @@ def test_signals_graceful_then_immediate(caplog):
         with pytest.raises(Interrupted) as info:
             os.kill(os.getpid(), signal.SIGINT)
         assert isinstance(info.value, KeyboardInterrupt) and info.value.signum == signal.SIGINT
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
 def test_no_update_watch_and_numerics_warnings(caplog):

@@ -192,7 +192,10 @@ def test_in_process_failures_marked(custom_file):
     import numpy as np
     import torch
 
-    from megatron_rl.data.rewards.worker import as_reward
-    assert as_reward(np.float32(0.5)) == 0.5 and as_reward(torch.tensor(2.0)) == 2.0 and as_reward(True) == 1.0
-    with pytest.raises(TypeError, match="list"):
-        as_reward([1.0])
+    from megatron_rl.data.rewards.builtin import reward_value
+    assert reward_value(np.float32(0.5)) == 0.5 and reward_value(torch.tensor(2.0)) == 2.0 and reward_value(True) == 1.0
+    assert reward_value([1, np.float64(0.5)]) == (1.0, 0.5)  # per-token rewards
+    with pytest.raises(TypeError, match="dict"):
+        reward_value({"r": 1.0})
+    with pytest.raises(TypeError, match="str '1'"):
+        reward_value([0.0, "1"])

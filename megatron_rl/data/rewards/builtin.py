@@ -1,14 +1,17 @@
 """Built-in reward functions. Each follows the reward protocol::
 
-    fn(response_text: str, label: Any, **sample_info) -> float
+    fn(response_text: str, label: Any, **sample_info) -> float | list[float]
 
-A wrong answer is a reward of 0.0, not an error. Raising is for "this sample cannot be scored" (e.g. a
+A list is a *per-token (process) reward*: one value per response token (``sample_info["response_ids"]``
+holds the tokens), kept per token through advantages and loss (math_spec §i); its sum is the sequence's
+reward in metrics, dynamic sampling and evaluation. A wrong answer is a reward of 0.0, not an error. Raising is for "this sample cannot be scored" (e.g. a
 gold answer that does not parse): the runner then marks the sample failed with the reason.
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import re
 import threading
@@ -55,6 +58,22 @@ def math_reward(response_text: str, label: Any, **_: Any) -> float:
     if not answer:
         return 0.0
     return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+
+
+def reward_value(value: Any) -> "float | tuple":
+    """A reward function's return value as a float, or a tuple of floats (per-token rewards). What is not a
+    number raises ``TypeError``: a string such as ``"1.0"`` is a bug in the reward, not a reward (numpy and
+    torch scalars are numbers)."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1):
+        return tuple(_number(v) for v in (value.tolist() if hasattr(value, "tolist") else value))
+    return _number(value)
+
+
+def _number(value: Any) -> float:
+    scalar = getattr(value, "shape", None) == () and hasattr(value, "item") and not isinstance(value.item(), str)
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or scalar):
+        raise TypeError(f"the reward function returned {type(value).__name__} {str(value)[:40]!r}, not a number")
+    return float(value)
 
 
 _WHITESPACE = re.compile(r"\s+")

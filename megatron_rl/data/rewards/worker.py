@@ -20,7 +20,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Optional
 
-from megatron_rl.data.rewards.builtin import WORKER_ENV
+from megatron_rl.data.rewards.builtin import WORKER_ENV, reward_value
 
 _MAX_ERROR_CHARS = 500
 
@@ -62,21 +62,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def as_reward(value: object) -> float:
-    """A reward function's return value as a float; ``TypeError`` for what is not a number (a string such
-    as ``"1.0"`` is a bug in the reward, not a reward). numpy / torch scalars count as numbers."""
-    import numbers
-
-    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or _is_scalar(value)):
-        raise TypeError(f"the reward function returned {type(value).__name__} {str(value)[:40]!r}, not a number")
-    return float(value)
-
-
-def _is_scalar(value: object) -> bool:
-    shape = getattr(value, "shape", None)
-    return shape is not None and tuple(shape) == () and hasattr(value, "item") and not isinstance(value.item(), str)
-
-
 def worker_main(conn: Connection) -> None:
     _die_with_parent()
     os.environ[WORKER_ENV] = "1"
@@ -102,7 +87,7 @@ def worker_main(conn: Connection) -> None:
             return
         task_id, response, label, info = msg
         try:
-            reply = (task_id, as_reward(fn(response, label, info)), None)
+            reply = (task_id, reward_value(fn(response, label, info)), None)
         except BaseException as exc:  # includes SystemExit from user code: report it, keep serving
             reply = (task_id, None, _describe(exc, config.memory_limit_mb))
         conn.send(reply)
