@@ -342,6 +342,7 @@ class Run:
         out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets)}
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
+            out["sync/probe_mean_abs_diff"] = stats.check.mean_abs_diff
         return out
 
     def evaluate(self, step: int) -> Dict[str, float]:
