@@ -14,6 +14,7 @@ runner ``reward``, the sampler ``data``, the engines ``rollout``. Nothing thread
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence
 
@@ -64,6 +65,23 @@ class SamplingConfig:
     min_p: float = 0.0
     max_new_tokens: int = 1024
     stop_token_ids: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature={self.temperature} must be a finite number >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1] (1 keeps every token)")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append(f"top_k={self.top_k} must be -1 (off) or >= 1")
+        if not 0 <= self.min_p < 1:
+            problems.append(f"min_p={self.min_p} must be in [0, 1) (0 is off)")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if any(t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids={self.stop_token_ids} must be token ids >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def filtered(self) -> bool:
@@ -223,6 +241,9 @@ class CheckpointSection:
     save_optimizer: bool = True
     optimizer_format: str = "fully_reshardable"
     save_hf: bool = True  # write <output_dir>/hf_final (safetensors) at the end
+    # SIGTERM/SIGINT (SLURM preemption, `timeout`, Ctrl-C): finish the step, checkpoint it, then stop (a second
+    # signal stops at once). false: stop at once, like Ctrl-C; the latest checkpoint is where resume=true starts
+    on_signal: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +256,8 @@ class LoggingConfig:
     jsonl: bool = True
     progress: bool = True  # bars: rollout requests, rewards, train/forward micro-batches, weight sync (+ its own switch)
     print_samples: int = 1  # responses printed per step (0: none)
+    # warn when this many steps in a row changed nothing (no batch, a skipped or an all-zero gradient); 0: never
+    warn_no_update_steps: int = 10
 
 
 @dataclass(frozen=True)
@@ -271,6 +294,7 @@ class RunConfig:
     steps: int = 100
     stop_after_steps: Optional[int] = None  # stop early (e.g. end of a SLURM slot); resume=true continues
     resume: bool = False
+    resume_step: Optional[int] = None  # resume from this checkpoint step instead of the latest (implies resume)
     overwrite: bool = False  # start over even if the output dir holds checkpoints (they are deleted)
     tokenizer: Optional[str] = None  # None: model.hf_path
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -291,6 +315,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps} must be >= 1")
+        if self.resume_step is not None:
+            if self.resume_step < 0:
+                raise ValueError(f"resume_step={self.resume_step} must be a checkpoint step >= 0")
+            self.resume = True
         teacher = self.warmup.teacher
         if teacher is not None:
             ref = self.train.reference_model
@@ -339,9 +367,21 @@ def resolve_mapping(recipe: Optional[str], overrides: Sequence[str] = ()) -> Dic
     return config_io.merge(base, config_io.parse_overrides(list(overrides)))
 
 
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def build_run_config(mapping: Mapping[str, Any]) -> RunConfig:
     mapping = dict(mapping)
     optim = mapping.get("optim")
+    if isinstance(optim, Mapping) and _number(optim.get("lr")) is not None \
+            and not (math.isfinite(_number(optim["lr"])) and _number(optim["lr"]) > 0):
+        raise config_io.ConfigError(f"optim.lr={_number(optim['lr']):g} must be a finite number > 0 (e.g. 1e-6)")
     if isinstance(optim, Mapping) and "lr" in optim and isinstance(optim.get("schedule"), Mapping) \
             and "lr" not in optim["schedule"]:
         # optim.lr is the peak LR; the schedule validates min_lr against its own lr when it is built, before
@@ -350,7 +390,7 @@ def build_run_config(mapping: Mapping[str, Any]) -> RunConfig:
     try:
         return config_io.build(RunConfig, mapping)
     except config_io.ConfigError as e:
-        raise config_io.ConfigError(_strip_root(str(e))) from None
+        raise config_io.ConfigError([_strip_root(p) for p in e.problems]) from None
 
 
 def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, prepare: bool = True,

@@ -21,15 +21,22 @@ _GROUPED = ("grpo", "rloo", "reinforce_pp_baseline", "otb")
 def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
     """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
     and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
+    from megatron_rl.config_files import check_files
+
     problems: List[str] = []
     checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs] + ([_paths] if files else [])
     for check in checks:
         check(cfg, problems)
+    if files:
+        check_files(cfg, problems)  # data, model files, reward import, writable outputs, resume, remote servers
     if files and not problems:  # model-file checks only once the paths are known to exist
-        _model_files(cfg, problems)
+        try:
+            _model_files(cfg, problems)
+        except Exception as e:  # noqa: BLE001 - transformers' error of a file we could not pre-check
+            problems.append(f"model.hf_path={cfg.model.hf_path!r} / tokenizer {cfg.tokenizer_path!r} cannot be loaded "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the directory")
     if problems:
-        listing = "\n".join(f"  - {p}" for p in problems)
-        raise ConfigError(f"{len(problems)} problem(s) in the config:\n{listing}")
+        raise ConfigError(problems)
 
 
 def _parallel(cfg: RunConfig, out: List[str]) -> None:

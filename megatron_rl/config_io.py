@@ -24,7 +24,16 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A recipe or override does not fit the config tree."""
+    """A recipe or override does not fit the config tree. ``problems``: one line each (several are listed
+    together, so a recipe is fixed in one round trip)."""
+
+    def __init__(self, problems: Union[str, Sequence[str]]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            super().__init__(f"{len(self.problems)} problems in the config:\n"
+                             + "\n".join(f"  - {p}" for p in self.problems))
 
 
 def load_yaml(path: Union[str, Path]) -> Dict[str, Any]:
@@ -168,17 +177,24 @@ def _build_dataclass(cls: Any, value: Any, path: str) -> Any:
         raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {value!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = [k for k in value if k not in fields]
-    if unknown:
-        k = unknown[0]
-        near = difflib.get_close_matches(str(k), list(fields), n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(f"{path}.{k}: unknown field{hint} ({cls.__name__} has: {', '.join(fields)})")
-    kwargs = {k: _convert(hints[k], v, f"{path}.{k}") for k, v in value.items()}
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+    problems: List[str] = []
+    kwargs = {}
+    for k, v in value.items():  # every field is checked: all type errors are reported together
+        if k not in fields:
+            near = difflib.get_close_matches(str(k), list(fields), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            problems.append(f"{path}.{k}: unknown field{hint} ({cls.__name__} has: {', '.join(fields)})")
+            continue
+        try:
+            kwargs[k] = _convert(hints[k], v, f"{path}.{k}")
+        except ConfigError as e:
+            problems += e.problems
+    missing = [n for n, f in fields.items() if n not in value and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ConfigError(f"{path}: missing required field(s) {missing}")
+        problems.append(f"{path}: missing required field(s) {missing}")
+    if problems:
+        raise ConfigError(problems)
     try:
         return cls(**kwargs)
     except ConfigError:

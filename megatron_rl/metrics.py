@@ -27,8 +27,9 @@ class MetricsLogger:
         self.cfg = cfg
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.jsonl_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.last_step: Optional[int] = None  # the last step metrics.jsonl holds (after the cut)
         if cfg.jsonl:
-            _truncate_jsonl(self.jsonl_path, keep_through=resume_step or 0)
+            self.last_step = _truncate_jsonl(self.jsonl_path, keep_through=resume_step or 0)
         self._tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -69,23 +70,26 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _truncate_jsonl(path: str, keep_through: int) -> None:
-    """Keep only lines of steps <= ``keep_through`` (0: start a fresh file)."""
+def _truncate_jsonl(path: str, keep_through: int) -> Optional[int]:
+    """Keep only lines of steps <= ``keep_through`` (0: start a fresh file); returns the last step kept."""
     if not os.path.exists(path):
-        return
-    kept = []
+        return None
+    kept, last = [], None
     if keep_through > 0:
         with open(path) as f:
             for line in f:
                 try:
-                    if json.loads(line).get("step", 0) <= keep_through:
-                        kept.append(line)
+                    step = json.loads(line).get("step", 0)
                 except ValueError:
                     continue  # a line torn by a crash
+                if step <= keep_through:
+                    kept.append(line)
+                    last = step if last is None else max(last, step)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return last
 
 
 def read_metrics(output_dir: str):

@@ -65,9 +65,26 @@ def rendezvous_store(host: str, port: int, world_size: int, *, is_master: bool,
                      timeout_s: float = 600.0) -> dist.TCPStore:
     """The rendezvous store. The master passes ``port=0``: the OS picks a port and the store holds it
     from then on (``store.port``), so nothing can take it between choosing and binding — unlike a
-    "free port" probed first and bound later, which races with every other process starting up."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    "free port" probed first and bound later, which races with every other process starting up.
+
+    The master listens on ``host`` only (``TCPStore`` itself would listen on every interface): a local run
+    passes 127.0.0.1 and nothing of it is reachable from the network."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(max(128, world_size))
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the listening socket from here on (it closes it)
+    return dist.TCPStore(host, sock.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+                         timeout=timeout, master_listen_fd=sock.detach())
 
 
 def _free_port() -> int:

@@ -67,11 +67,11 @@ class LRScheduleConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"LRScheduleConfig.kind={self.kind!r} is not one of {KINDS}")
-        if not self.lr > 0:
-            raise ValueError(f"LRScheduleConfig.lr={self.lr} must be > 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"LRScheduleConfig.lr={self.lr} must be a finite number > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"LRScheduleConfig.warmup_steps={self.warmup_steps} must be >= 0")
-        if not 0 <= self.min_lr <= self.lr:
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"LRScheduleConfig.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         if self.kind == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             raise ValueError(f"LRScheduleConfig.total_steps={self.total_steps} must be set and > warmup_steps="

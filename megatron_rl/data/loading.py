@@ -6,6 +6,9 @@ All three go through ``datasets`` so that large tables stay memory-mapped Arrow 
 
 from __future__ import annotations
 
+import json
+from typing import Iterable, List, Tuple
+
 import datasets
 
 from megatron_rl.data.config import DataConfig
@@ -18,6 +21,7 @@ def load_prompt_table(config: DataConfig) -> datasets.Dataset:
     """
     fmt = config.resolved_format()
     if fmt == "jsonl":
+        check_prompt_file(config)  # a clear error for an empty file or a broken line, not the json builder's
         # The packaged "json" builder is local (no hub access); it caches an Arrow copy of the file.
         table = datasets.load_dataset("json", data_files=config.path, split="train", cache_dir=config.cache_dir)
     elif fmt == "parquet":
@@ -56,3 +60,76 @@ def _check_columns(table: datasets.Dataset, config: DataConfig) -> None:
                              f"columns: {columns}. Set data.{option} to one of them{hint}")
     if len(table) == 0:
         raise ValueError(f"data.path={config.path!r} has no rows")
+
+
+def check_prompt_file(config: DataConfig, section: str = "data") -> None:
+    """Check the prompt table without a tokenizer (what ``--dry-run`` reads): it can be read, has rows, and every
+    row has the prompt, label and metadata columns. Raises ``ValueError`` naming the file (and the line of a
+    jsonl file), what is wrong and the fix. ``section``: the config path for messages (``data``, ``eval.data``)."""
+    where = f"{section}.path={config.path!r}"
+    fmt = config.resolved_format()
+    if fmt == "jsonl":
+        rows = _jsonl_rows(config.path, where)
+    else:
+        try:
+            if fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                meta = pq.ParquetFile(config.path).metadata
+                columns, n = list(meta.schema.names), meta.num_rows
+            else:
+                table = _load_saved(config)
+                columns, n = table.column_names, len(table)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow / datasets errors of a damaged file
+            raise ValueError(f"{where} cannot be read as {fmt} ({type(e).__name__}: {e}); check the file") from None
+        rows = [(0, {c: "" for c in columns})] if n else []
+    if not rows:
+        raise ValueError(f"{where} has no rows; give a file with at least one prompt")
+    wanted = [("prompt_field", config.prompt_field)]
+    if config.label_field is not None:
+        wanted.append(("label_field", config.label_field))
+    wanted += [("metadata_fields", name) for name in config.metadata_fields]
+    for line, row in rows:
+        for option, column in wanted:
+            if column not in row or (option == "prompt_field" and row[column] is None):
+                at = f" (line {line})" if fmt == "jsonl" else ""
+                hint = " (or None for no label)" if option == "label_field" else ""
+                raise ValueError(f"{section}.{option}: column {column!r} is not in {config.path!r}{at}; available "
+                                 f"columns: {list(row)}. Set {section}.{option} to one of them{hint}, or fix the data")
+
+
+def _jsonl_rows(path: str, where: str) -> List[Tuple[int, dict]]:
+    """``(line number, row)`` of a JSON-lines file (or a ``.json`` file holding one list of objects)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+    data = None
+    if text.lstrip().startswith("["):  # one JSON array (``.json``), or JSON lines that are arrays
+        try:
+            data = json.loads(text)
+        except ValueError:
+            pass
+    if isinstance(data, list):
+        rows: Iterable[Tuple[int, object]] = enumerate(data, start=1)
+        unit = "item"
+    else:
+        rows, unit = [], "line"
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((number, json.loads(line)))
+            except ValueError as e:
+                raise ValueError(f"{where} line {number}: not valid JSON ({e}): {line[:80]!r}; fix or remove "
+                                 "that line") from None
+    out = []
+    for number, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} {unit} {number}: a {type(row).__name__}, not an object with named "
+                             "columns; each row must be a JSON object such as {\"prompt\": ..., \"answer\": ...}")
+        out.append((number, row))
+    return out

@@ -1,8 +1,9 @@
 """``megatron-rl train RECIPE [key=value ...] [--dry-run]``.
 
 Reads the recipe, applies the overrides, prepares generated assets, checks the whole config (every
-problem reported at once) and — unless ``--dry-run``, which prints the resolved config instead —
-runs it. Exit codes: 0 done, 2 config error, 1 the run failed.
+problem reported at once, one line each) and — unless ``--dry-run``, which prints the resolved config
+instead — runs it. Exit codes: 0 done, 2 config error, 1 the run failed (a known failure is one message,
+no traceback), 128 + N stopped by signal N (SIGTERM: 143, Ctrl-C: 130; resume=true continues).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
@@ -67,10 +69,39 @@ def cli_main(args: argparse.Namespace) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     from megatron_rl.orchestration.driver import train
+    from megatron_rl.orchestration.failures import user_errors
+    from megatron_rl.orchestration.signals import Interrupted
 
-    history = train(cfg)
+    try:
+        history = train(cfg)
+    except ConfigError as e:  # found only once the run read its inputs
+        print(f"megatron-rl train: config error: {e}", file=sys.stderr)
+        return 2
+    except user_errors() as e:  # a dead rank or server, a full disk, diverged weights: the message says it all
+        first, *rest = str(e).splitlines() or [type(e).__name__]
+        print("\n".join([f"megatron-rl train: failed: {first}; {_resume_hint(cfg, e)}", *rest]), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"megatron-rl train: stopped by {signal.Signals(signum).name}; {_resume_hint(cfg, e)}", file=sys.stderr)
+        return 128 + int(signum)
     final = [m for m in history if "rollout/reward_mean" in m]
     if final:
         print(f"done: {len(final)} steps, last reward {final[-1]['rollout/reward_mean']:.3f}; outputs in "
               f"{cfg.output_dir}")
     return 0
+
+
+def _resume_hint(cfg, stop: BaseException) -> str:
+    from megatron_rl.training.checkpoint import latest_checkpoint
+
+    step = getattr(stop, "checkpoint_step", None)
+    if step is not None:
+        return f"checkpointed step {step} first; resume=true continues from it"
+    try:
+        latest = latest_checkpoint(cfg.checkpoint_root)
+    except ValueError:
+        latest = None
+    if latest is None:
+        return f"no checkpoint in {cfg.checkpoint_root} yet: a new run starts over"
+    return f"resume=true continues from the latest checkpoint, {latest}"

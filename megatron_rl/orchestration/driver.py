@@ -11,24 +11,35 @@ With ``rollout.off_policy=1`` the next step's rollout is started before this ste
 for before the weight sync, so it runs on the previous weights while the trainer works (one step
 stale; the decoupled loss and rollout correction account for it). Colocated engines hand their memory
 to the trainer between the rollout and the sync.
+
+SIGTERM/SIGINT stop the loop (:mod:`.signals`: at once, or after checkpointing the step with
+``checkpoint.on_signal``). The loop warns about steps that changed nothing (no batch, a skipped optimizer
+step, an all-zero gradient) when they go on for ``logging.warn_no_update_steps`` steps, and about tokens
+the loss had to leave out as non-finite.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List
+import os
+import signal
+from typing import Dict, List, Optional, Tuple
 
 from megatron_rl.config import RunConfig
 from megatron_rl.orchestration.batching import train_batch
 from megatron_rl.orchestration.run import Run
+from megatron_rl.orchestration.signals import Interrupted, StopSignals
 
 logger = logging.getLogger(__name__)
 
 
 def train(cfg: RunConfig) -> List[Dict[str, float]]:
-    """Run ``cfg`` from its start (or its latest checkpoint with ``resume``); returns the step metrics."""
+    """Run ``cfg`` from its start (or its latest checkpoint with ``resume``); returns the step metrics.
+    Raises :class:`~megatron_rl.orchestration.signals.Interrupted` when a signal stopped it."""
     history: List[Dict[str, float]] = []
-    with Run(cfg) as run:
+    watch = NoUpdateWatch(cfg.logging.warn_no_update_steps)
+    with StopSignals(cfg.checkpoint.on_signal) as stop, Run(cfg) as run:
+        stop.install()  # again: ray.init put its own SIGTERM handler in place
         first = {"time/startup": run.startup_seconds}
         if run.start_step == 0 and cfg.eval.interval:
             history.append(run.log(0, {**first, **run.evaluate(0)}))  # the baseline, before any update
@@ -46,12 +57,72 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
                 tb, fwd, m_logprobs = run.logprobs(train_batch(batch.groups, run.routing), step)
                 tb, m_adv = run.advantages(tb, fwd, batch, step)
                 metrics.update(m_logprobs, **m_adv, **run.train(tb, step))
+                warn_numerics(step, metrics)
                 metrics.update(run.gain(tb, batch, step))  # diagnostics.gain: a forward under the new weights
             pending = run.wait(next_rollout)
             run.resume_engines()
             if not batch.skipped:
                 metrics.update(run.sync_weights(step))
             metrics.update(run.evaluate(step))
-            run.checkpoint(step, pending)
+            stopping = stop.requested is not None
+            saved = run.checkpoint(step, pending, metrics, force=stopping)
+            _fault_point("after_checkpoint", step)
             history.append(run.log(step, metrics, batch))
+            watch.update(step, metrics)
+            if stopping:
+                raise Interrupted(stop.requested, checkpoint_step=step if saved else None)
+    watch.summary()
     return history
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Fault injection for the reliability tests (``tools/chaos.py``): ``MEGATRON_RL_FAULT=after_checkpoint:4``
+    kills the driver (SIGKILL) at that point of that step."""
+    if os.environ.get("MEGATRON_RL_FAULT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def warn_numerics(step: int, m: Dict[str, float]) -> None:
+    """A skipped optimizer step (with the run's step number, not the optimizer's) and tokens left out of the
+    loss as non-finite."""
+    if m.get("train/skipped"):
+        why = ("the update made the weights non-finite; rolled back" if m.get("train/nonfinite_weights") else
+               f"a non-finite loss or gradient, grad norm {m.get('train/grad_norm', float('nan')):.4g}")
+        logger.warning("step %d: optimizer step skipped (%s); the weights are unchanged", step, why)
+    bad = max(m.get("tokens/nonfinite", 0.0), m.get("train/nonfinite_policy_tokens", 0.0))
+    if bad > 0:
+        logger.warning("step %d: %d response token(s) had non-finite log-probs or advantages and were left out of the "
+                       "loss (reward/failed_non_finite %d): check the reward function and the sampling settings",
+                       step, bad, m.get("reward/failed_non_finite", 0.0))
+
+
+class NoUpdateWatch:
+    """Counts steps that changed no weight and warns when ``threshold`` of them come in a row."""
+
+    def __init__(self, threshold: int):
+        self.threshold = threshold
+        self.streak: Optional[Tuple[int, int]] = None  # (first step, length)
+        self.longest = (0, 0)  # (length, first step)
+        self.total = self.steps = 0
+
+    def update(self, step: int, m: Dict[str, float]) -> None:
+        self.steps += 1
+        idle = bool(m.get("train/skipped_empty_batch") or m.get("train/skipped")) or m.get("train/grad_norm") == 0.0
+        if not idle:
+            self.streak = None
+            return
+        self.total += 1
+        start, length = self.streak or (step, 0)
+        self.streak = (start, length + 1)
+        self.longest = max(self.longest, (length + 1, start))
+        if self.threshold and (length + 1) % self.threshold == 0:
+            logger.warning("steps %d-%d: %d steps in a row changed no weight (no batch to train on, a skipped step or "
+                           "an all-zero gradient; last mean reward %.3f): the rewards may be constant or equal within "
+                           "every group; check the reward function and the data", start, step, length + 1,
+                           m.get("rollout/reward_mean", float("nan")))
+
+    def summary(self) -> None:
+        length, start = self.longest
+        if self.threshold and length >= self.threshold:
+            logger.warning("%d of %d steps changed no weight (the longest run: %d steps from step %d)", self.total,
+                           self.steps, length, start)

@@ -10,11 +10,15 @@
 
 Both groups use the ``PACK`` strategy (a trainer group on as few nodes as possible, so tensor and
 pipeline parallel traffic stays local). A local Ray is started with ``address="local"`` — never
-attaching by accident to another cluster on the machine — with enough logical CPUs for every worker.
+attaching by accident to another cluster on the machine — with enough logical CPUs for every worker,
+with every server on the loopback interface (Ray's local-only mode: the node address is 127.0.0.1, so
+gcs, raylet, agents and every worker bind there; nothing listens on the network), and with a
+parent-death guard (:mod:`.ray_guard`) that removes its processes if the driver is killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from megatron_rl.config import ClusterConfig, RolloutConfig
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
+from megatron_rl.orchestration.ray_guard import Guard
 from megatron_rl.orchestration.trainer_worker import TrainerSpec, TrainerWorker
 
 logger = logging.getLogger(__name__)
@@ -43,25 +48,68 @@ def required_cpus(cluster: ClusterConfig, world_size: int, rollout: RolloutConfi
     return world_size * cluster.cpus_per_trainer + engines * cluster.cpus_per_engine
 
 
-def init_ray(cluster: ClusterConfig, needed_cpus: float) -> bool:
-    """Connect to (``cluster.address``) or start a local Ray; returns True when we started it."""
+class LocalRay:
+    """The local Ray a run started: :meth:`shutdown` stops it and releases the guard."""
+
+    def __init__(self, guard: Guard):
+        self.guard = guard
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.shutdown()
+        finally:
+            self.guard.release()
+
+
+def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
+    """Connect to (``cluster.address``) or start a local Ray; returns a handle when we started it."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return None
     env = {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false",
            "RAY_USAGE_STATS_ENABLED": "0"}
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if cluster.address:
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level="warning")
-        return False
+        return None
     num_cpus = cluster.num_cpus or max(float(os.cpu_count() or 1), needed_cpus)
     cpu_only = cluster.gpus_per_trainer == 0 and cluster.gpus_per_engine == 0
     # batches are small next to a CPU machine's memory; Ray's default (30 % of RAM) would pin GBs of shm
     store = 512 * 1024**2 if cpu_only else None
-    ray.init(address="local", num_cpus=int(-(-num_cpus // 1)), include_dashboard=False, logging_level="warning",
-             runtime_env={"env_vars": env}, object_store_memory=store)
-    return True
+    guard = Guard()
+    try:
+        with _loopback_only():
+            ray.init(address="local", num_cpus=int(-(-num_cpus // 1)), include_dashboard=False,
+                     logging_level="warning", runtime_env={"env_vars": env}, object_store_memory=store)
+    except BaseException:
+        guard.release()
+        raise
+    guard.watch(ray._private.worker._global_node.get_session_dir_path())  # every Ray process logs in there
+    return LocalRay(guard)
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """Ray's local-only mode (its default on macOS and Windows): the node address is 127.0.0.1 instead of the
+    machine's network address, and Ray's servers bind to it. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is read
+    when ``ray`` is imported (by Ray's own processes, which inherit it); the driver may have imported ray
+    already, so its constant is set for the ``ray.init`` call too."""
+    from ray._private import ray_constants
+
+    key, before = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    constant = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = constant
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 @dataclass
@@ -72,20 +120,27 @@ class Placement:
     engines: List[Any]
     groups: List[Any] = field(default_factory=list)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Ask every engine and trainer to stop (all at once, ``timeout_s`` in all: after a failure a rank may
+        be stuck in a collective and never answer), then kill the actors and remove the groups."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for e in self.engines:
-            try:
-                ray.get(e.stop.remote(), timeout=30)
-            except Exception as exc:  # noqa: BLE001 - best effort while tearing down
-                logger.warning("engine worker did not stop cleanly: %s", exc)
+        refs = {}
+        for i, e in enumerate(self.engines):
+            refs[e.stop.remote()] = f"engine {i}"
         for t in self.trainers:
+            refs[t.shutdown.remote()] = None
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in refs:
+            if refs[ref] is None:
+                continue
             try:
-                ray.get(t.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001
-                pass
+                if ref in pending:
+                    raise TimeoutError(f"no answer within {timeout_s:g} s")
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - best effort while tearing down
+                logger.warning("%s did not stop cleanly: %s", refs[ref], exc)
         for actor in self.engines + self.trainers:
             ray.kill(actor)
         for pg in self.groups:

@@ -1,10 +1,15 @@
 """A run's resources and its phases, one method each; the loop that calls them is ``driver.py``.
 
-Start-up (:meth:`Run.__enter__`): output directory and resolved ``config.yaml``; tokenizer, prompt
-data and sampler; reward workers; Ray, placement groups, trainer ranks and engine servers (started
-concurrently); the driver's :class:`RemoteEngine` over the servers' URLs; then either resume (trainer
-checkpoint + the driver's state: step, sampler position, a pending off-policy rollout) followed by a
-weight sync, or the step-0 check that engines and trainer agree on the probe's log-probs.
+Start-up (:meth:`Run.__enter__`): output directory; tokenizer, prompt data and sampler; reward workers;
+Ray, placement groups, trainer ranks and engine servers (started concurrently); the driver's
+:class:`RemoteEngine` over the servers' URLs; then either resume (trainer checkpoint + the driver's state:
+step, sampler position, a pending off-policy rollout, the step's metrics line) followed by a weight sync,
+or the step-0 check that engines and trainer agree on the probe's log-probs. Only a start that got that
+far writes the resolved ``config.yaml`` (and, with ``overwrite``, removes the previous run's outputs): a
+failed start leaves the output directory as it was.
+
+Close: the workers are asked to stop (after a failure only briefly: a rank may hang in a collective),
+then killed; a local Ray is shut down and its parent-death guard released.
 
 The driver process owns everything that is not a tensor computation over the model: data, rewards,
 advantages, logging. Trainers and engines are only reached through Ray calls and HTTP.
@@ -40,7 +45,8 @@ class Run:
         self.resumed = False
         self.placement = None
         self._released = False
-        self._owns_ray = False
+        self._local_ray = None  # the local Ray this run started (placement.LocalRay)
+        self._replay_row: Optional[Dict[str, float]] = None  # the resumed step's metrics line, from the checkpoint
         self._closers = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
 
@@ -49,23 +55,25 @@ class Run:
         try:
             self._start()
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
 
     def _start(self) -> None:
         cfg = self.cfg
-        self._prepare_output_dir()
+        os.makedirs(cfg.output_dir, exist_ok=True)
         self._start_data()
         self._start_workers()
         self._restore_or_check()
+        self._prepare_output_dir()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))
         self._closers.append(self.metrics.close)
+        self._replay_lost_row()
         self.startup_seconds = self.timer.finish_step()["time/step"]  # reported once, not in step 1's time
 
     def _prepare_output_dir(self) -> None:
@@ -89,14 +97,17 @@ class Run:
         from megatron_rl.data.sampler import PromptSampler
 
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        try:  # what --dry-run could not know without tokenising: an empty prompt, every prompt too long...
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+            self.dataset = PromptDataset(cfg.data, self.tokenizer)
+            self.eval_datasets = {name: PromptDataset(d, self.tokenizer) for name, d in cfg.eval.named_datasets.items()}
+            reward_cfg = cfg.reward
+            if not cfg.logging.progress:  # the runner's own bar follows the run's switch
+                reward_cfg = dataclasses.replace(reward_cfg, progress_min_batch=2**62)
+            self.rewards = RewardRunner(reward_cfg)
+        except ValueError as e:
+            raise config_io.ConfigError(str(e)) from None
         self.sampler = PromptSampler.from_config(self.dataset)
-        self.eval_datasets = {name: PromptDataset(d, self.tokenizer) for name, d in cfg.eval.named_datasets.items()}
-        reward_cfg = cfg.reward
-        if not cfg.logging.progress:  # the runner's own bar follows the run's switch
-            reward_cfg = dataclasses.replace(reward_cfg, progress_min_batch=2**62)
-        self.rewards = RewardRunner(reward_cfg)
         self._closers.append(self.rewards.close)
         logger.info("data: %s", self.dataset.stats)
 
@@ -136,7 +147,7 @@ class Run:
 
         cfg, r = self.cfg, self.cfg.rollout
         trainer_spec, engine_spec = self._specs()
-        self._owns_ray = placement.init_ray(cfg.cluster, placement.required_cpus(cfg.cluster, cfg.parallel.world_size, r))
+        self._local_ray = placement.init_ray(cfg.cluster, placement.required_cpus(cfg.cluster, cfg.parallel.world_size, r))
         self.placement = placement.place(cfg.cluster, r, cfg.parallel.world_size, trainer_spec, engine_spec)
         url_refs = [e.start.remote() for e in self.placement.engines]  # engines load while trainers set up
         board = maybe_board(cfg.logging.progress)
@@ -179,14 +190,19 @@ class Run:
         if cfg.resume and path is None:
             logger.warning("resume=true but %s holds no checkpoint: starting a new run", cfg.checkpoint_root)
         if path is not None:
-            loaded = self.trainers.load_checkpoint(cfg.checkpoint_root)
+            loaded = self.trainers.load_checkpoint(cfg.checkpoint_root, cfg.resume_step)
+            path = loaded.path
             state = loaded.extra["driver"]
             if state.get("version") != STATE_VERSION:
                 raise ValueError(f"{path}: driver state version {state.get('version')} != {STATE_VERSION}")
+            for problem in loaded.skipped:
+                logger.warning("%s; resuming from %s (step %d) instead: resume_step=N picks a checkpoint explicitly, "
+                               "deleting the damaged one silences this", problem, os.path.basename(path), state["step"])
             self.sampler.load_state_dict(state["sampler"])
             pending = state["pending"]
             self.start_step, self.resumed = state["step"], True
             self.pending = None if pending is None else pickle.loads(pending)
+            self._replay_row = state.get("row")
             # engines started from model.hf_path: give them the checkpoint's weights
             stats = self.trainers.sync_weights(version=self.start_step)
             logger.info("resumed from %s at step %d (optimizer step %d); engines synced (probe max |dlogp| %.2e)",
@@ -196,7 +212,18 @@ class Run:
             logger.info("step-0 check: engine vs trainer probe log-probs max |diff| %.2e over %d tokens",
                         check.max_abs_diff, check.length)
 
-    def close(self) -> None:
+    def _replay_lost_row(self) -> None:
+        """The resumed step's metrics line, if the interrupted run died between committing its checkpoint and
+        writing the line (the checkpoint carries it)."""
+        row, step = self._replay_row, self.start_step
+        if row is None or not self.cfg.logging.jsonl or self.metrics.last_step == step:
+            return
+        from megatron_rl.metrics import throughput
+
+        self.metrics.log(step, {**row, **throughput(row, row)})
+        logger.warning("step %d's metrics line was lost with the interrupted run: written from its checkpoint", step)
+
+    def close(self, failed: bool = False) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)  # an interrupted rollout is abandoned
         for close in reversed(self._closers):
             try:
@@ -204,14 +231,14 @@ class Run:
             except Exception as e:  # noqa: BLE001 - keep tearing down
                 logger.warning("while closing: %s", e)
         self._closers = []
-        if self.placement is not None:
-            self.placement.shutdown()
-            self.placement = None
-        if self._owns_ray:
-            import ray
-
-            ray.shutdown()
-            self._owns_ray = False
+        try:
+            if self.placement is not None:
+                self.placement.shutdown(timeout_s=3.0 if failed else 30.0)
+                self.placement = None
+        finally:
+            if self._local_ray is not None:
+                self._local_ray.shutdown()
+                self._local_ray = None
 
     # ---- phases -------------------------------------------------------------------------------------------
     def is_warmup(self, step: int) -> bool:
@@ -286,10 +313,12 @@ class Run:
     def train(self, tb, step: int) -> Dict[str, float]:
         with self.timer.phase("train"):
             result = self.trainers.train_step(tb, self.cfg.objective_at(step))
-        out = {"train/loss": result.loss, "train/grad_norm": result.grad_norm, "train/lr": result.lr,
+        out = {"train/grad_norm": result.grad_norm, "train/lr": result.lr,
                "train/skipped": float(result.skipped), "train/optimizer_step": float(result.step),
                "train/tokens": float(tb.seq_lengths.sum()), "train/sequences": float(tb.batch_size),
                "train/warmup": float(self.is_warmup(step))}
+        if not result.skipped:  # a skipped step trained nothing: no loss to show
+            out["train/loss"] = result.loss
         out.update(result.metrics)
         return out
 
@@ -324,12 +353,14 @@ class Run:
         with self.timer.phase("eval"):
             return self.evaluator.run(step)
 
-    def checkpoint(self, step: int, pending: Optional[RolloutBatch]) -> None:
-        """Trainer state + the driver's (step, sampler position, the pending off-policy rollout)."""
+    def checkpoint(self, step: int, pending: Optional[RolloutBatch], metrics: Optional[Dict[str, float]] = None,
+                   force: bool = False) -> bool:
+        """Trainer state + the driver's (step, sampler position, the pending off-policy rollout, the step's
+        metrics so far: written on resume if the line itself was lost). Returns whether it saved."""
         cfg = self.cfg
         interval = cfg.checkpoint.interval
-        if not ((interval and step % interval == 0) or step == cfg.last_step):
-            return
+        if not (force or (interval and step % interval == 0) or step == cfg.last_step):
+            return False
         from megatron_rl.training.checkpoint import CheckpointConfig
 
         c = cfg.checkpoint
@@ -337,13 +368,16 @@ class Run:
                                 optimizer_format=c.optimizer_format)
         # Megatron loads the common state with torch.load(weights_only=True): plain types only, so the pending
         # off-policy rollout (our dataclasses) travels pickled, as bytes; it is read back only by _restore
+        row = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
+        row.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
-                 "pending": None if pending is None else pickle.dumps(pending)}
+                 "pending": None if pending is None else pickle.dumps(pending), "row": row}
         with self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
                 self.trainers.save_hf(os.path.join(cfg.output_dir, "hf_final"))
         logger.info("step %d: checkpoint %s", step, path)
+        return True
 
     # ---- logging -------------------------------------------------------------------------------------------
     def log(self, step: int, metrics: Dict[str, float], batch: Optional[RolloutBatch] = None) -> Dict[str, float]:

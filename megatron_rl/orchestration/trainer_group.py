@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.orchestration import failures
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
@@ -30,7 +31,32 @@ class TrainerGroup:
 
         refs = [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
                 for i, w in enumerate(self.workers)]
-        return ray.get(refs) if self.progress is None else self.progress.wait(refs)
+        try:
+            return ray.get(refs) if self.progress is None else self.progress.wait(refs)
+        except ray.exceptions.RayActorError as e:
+            raise self._dead_rank(method, refs, e) from None
+        except ray.exceptions.RayTaskError as e:
+            user = failures.from_ray_error(e)
+            if user is None:
+                raise
+            raise user from None
+
+    def _dead_rank(self, method: str, refs: List[Any], error: BaseException) -> failures.RunError:
+        """Which rank died (the first whose call failed with a dead actor), with its pid and log tail."""
+        import ray
+
+        for rank, ref in enumerate(refs):
+            ready, _ = ray.wait([ref], timeout=0.5)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                who = self.infos[rank] if rank < len(self.infos) else {}
+                return failures.actor_death(f"trainer rank {rank}", who, method, e)
+            except Exception:  # noqa: BLE001 - another rank's failure; keep looking for the dead one
+                continue
+        return failures.actor_death("a trainer rank", {}, method, error)
 
     def _rank0(self, method: str, *args: Any) -> Any:
         return self._call(method, *args)[0]
@@ -88,8 +114,8 @@ class TrainerGroup:
         ref = ray.put(extra)  # one copy in the object store, read by every rank
         return self._rank0("save_checkpoint", ckpt_cfg, ref, step)
 
-    def load_checkpoint(self, root: str):
-        return self._rank0("load_checkpoint", root)
+    def load_checkpoint(self, root: str, step: Optional[int] = None):
+        return self._rank0("load_checkpoint", root, step)
 
     def save_hf(self, path: str) -> None:
         self._call("save_hf", path)

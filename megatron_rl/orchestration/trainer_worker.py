@@ -92,8 +92,10 @@ class TrainerWorker:
             self.ref = PolicyTrainer(spec.ref_logprobs_model, plain, groups)
         import torch.distributed as dist
 
+        from megatron_rl.orchestration.failures import identity
+
         return dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                    dp=dist.get_world_size(groups.dp))
+                    dp=dist.get_world_size(groups.dp), **identity())  # pid, log: to name the rank if it dies
 
     def set_progress(self, reporter) -> None:
         """Bars for micro-batches (from the first replica's first TP rank: every replica runs as many)
@@ -162,10 +164,10 @@ class TrainerWorker:
 
         return save_checkpoint(self.trainer, ckpt_cfg, extra, step=step)
 
-    def load_checkpoint(self, root: str):
+    def load_checkpoint(self, root: str, step: Optional[int] = None):
         from megatron_rl.training.checkpoint import load_checkpoint
 
-        result = load_checkpoint(self.trainer, root)
+        result = load_checkpoint(self.trainer, root, step)
         return result if self.rank == 0 else None
 
     def save_hf(self, path: str) -> None:

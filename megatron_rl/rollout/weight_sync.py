@@ -305,11 +305,9 @@ def compare_logprobs(trainer: torch.Tensor, engine: torch.Tensor, tolerance: flo
     diff = (trainer.double() - engine.double()).abs()
     finite = torch.isfinite(diff)
     if not bool(finite.all()):
-        pos = int((~finite).nonzero()[0])
-        max_diff, mean_diff = math.inf, math.inf
-    else:
-        pos = int(diff.argmax())
-        max_diff, mean_diff = float(diff[pos]), float(diff.mean())
+        raise WeightMismatchError(_nonfinite_message(trainer, engine, where), math.inf, int((~finite).nonzero()[0]))
+    pos = int(diff.argmax())
+    max_diff, mean_diff = float(diff[pos]), float(diff.mean())
     if not (max_diff <= tolerance and (mean_tolerance is None or mean_diff <= mean_tolerance)):
         limits = f"tolerance {tolerance:g}" + ("" if mean_tolerance is None else f", mean {mean_tolerance:g}")
         raise WeightMismatchError(
@@ -322,6 +320,21 @@ def compare_logprobs(trainer: torch.Tensor, engine: torch.Tensor, tolerance: flo
             "weights (or the tolerance is too tight for a bf16 engine: raise rollout.weight_sync.check_tolerance / check_mean_tolerance).",
             max_diff, pos)
     return ProbeCheck(max_diff, pos, mean_diff, len(ids))
+
+
+def _nonfinite_message(trainer: torch.Tensor, engine: torch.Tensor, where: str) -> str:
+    """Which side's probe log-probs are non-finite, where first, and what that points to."""
+    bad_t, bad_e = ~torch.isfinite(trainer), ~torch.isfinite(engine)
+    first = lambda bad: f"{int(bad.sum())} of {bad.numel()}, first at position {int(bad.nonzero()[0])}"  # noqa: E731
+    if bool(bad_t.any()):
+        side = f"the trainer's probe log-probs are non-finite ({first(bad_t)})"
+        if bool(bad_e.any()):
+            side += f", and so are the engine's ({first(bad_e)})"
+        return (f"weight sync check failed ({where}): {side}: the trainer's weights diverged (an update too large: "
+                "lower optim.lr; resume from the last checkpoint)")
+    return (f"weight sync check failed ({where}): the engine's probe log-probs are non-finite ({first(bad_e)}) while "
+            "the trainer's are finite: the weights overflowed on the way (e.g. a bf16 engine) or the engine's own "
+            "numerics failed")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ Atomicity: all ranks write into ``.tmp_iter_N``; every host fsyncs the files; ra
 directory to ``iter_N`` and then atomically replaces ``latest`` (write ``latest.tmp``, fsync,
 ``os.replace``). A crash at any point before that leaves ``latest`` on the previous checkpoint.
 
+Integrity (:mod:`.checkpoint_integrity`): a save first checks the free space it needs (a clear
+``CheckpointSpaceError`` on every rank instead of a torn write), and writes a manifest of every file's
+size and CRC-32 before the commit. A load checks the manifest (the ranks share the reading) and, when the
+newest checkpoint is damaged, warns and falls back to the newest intact one (an explicit ``step`` is
+never replaced). The common state records the model's shape, so resuming with another model size names
+the differing fields instead of failing in a tensor copy.
+
 Resharding (checked on CPU: tests/distributed/test_checkpoint.py and by hand):
 
 * model weights are stored per parameter in model space: TP2 <-> PP2 <-> TP1/PP1 and, for MoE, EP2 <-> EP1
@@ -38,18 +45,24 @@ needed a fix-up after loading, see :func:`_restore_adam_steps`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import re
 import shutil
 import socket
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.training import checkpoint_integrity as integrity
+from megatron_rl.training.checkpoint_integrity import (CheckpointCorruptError, CheckpointMismatchError,
+                                                       CheckpointSpaceError)
+
+logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 # Megatron-Core 0.16.1 also lists 'fully_sharded_model_space', but it builds flattened ShardedTensors
@@ -202,11 +215,31 @@ def _restore_adam_steps(optimizer) -> None:
 def _sharded_state(trainer, with_optimizer: bool, optimizer_format: str, is_loading: bool) -> Dict[str, Any]:
     sd: Dict[str, Any] = {"model": trainer.module.sharded_state_dict()}
     if with_optimizer:
-        if is_loading:
-            _ensure_adam_state(trainer.optimizer)
+        # Saving needs it too: before the first optimizer step (a run whose first steps had no signal, or
+        # were skipped) Megatron's DistributedOptimizer.state_dict asserts on the missing step counters.
+        _ensure_adam_state(trainer.optimizer)
         sd["optimizer"] = trainer.optimizer.sharded_state_dict(
             sd["model"], is_loading=is_loading, metadata=_optimizer_metadata(optimizer_format))
     return sd
+
+
+# HFArch fields that decide the shapes of the stored tensors
+_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "num_experts", "moe_ffn_hidden_size", "tie_word_embeddings")
+
+
+def model_signature(arch) -> Dict[str, Any]:
+    """The shape-deciding fields of an :class:`~megatron_rl.models.config.HFArch`."""
+    return {k: getattr(arch, k) for k in _SHAPE_FIELDS if hasattr(arch, k)}
+
+
+def signature_mismatch(saved: Optional[Dict[str, Any]], current: Dict[str, Any]) -> Optional[str]:
+    """``"hidden_size 64 (checkpoint) vs 128 (this model), ..."`` or None (None too for old checkpoints)."""
+    if not saved:
+        return None
+    diffs = [f"{k} {saved[k]!r} (checkpoint) vs {current[k]!r} (this model)"
+             for k in current if k in saved and saved[k] != current[k]]
+    return ", ".join(diffs) or None
 
 
 def _trainer_state(trainer) -> Dict[str, Any]:
@@ -218,6 +251,7 @@ def _trainer_state(trainer) -> Dict[str, Any]:
         "schedule": None if trainer.schedule is None else trainer.schedule.state_dict(),
         "layout": _layout(trainer),
         "model": dataclasses.asdict(trainer.built.cfg),  # what `megatron-rl export` rebuilds the model from
+        "model_shape": model_signature(trainer.built.arch),  # checked before a load (resume with another model)
     }
 
 
@@ -272,32 +306,57 @@ def _prune(root: str, keep_last: int, protect: str) -> None:
             shutil.rmtree(os.path.join(root, iter_name(step)), ignore_errors=True)
 
 
+def _space_needed(trainer, root: str, with_opt: bool) -> int:
+    """Bytes the next checkpoint needs: the previous one's size, else an estimate from rank 0's shard of
+    the model times the model-parallel size (fp32 Adam: a main copy and two moments per parameter)."""
+    try:
+        previous = latest_checkpoint(root)
+    except ValueError:
+        previous = None
+    if previous is not None:
+        return integrity.dir_bytes(previous)
+    params = list(trainer.module.parameters())
+    mp = dist.get_world_size() // dist.get_world_size(trainer.groups.dp)
+    model = sum(p.numel() * p.element_size() for p in params) * mp
+    optim = sum(p.numel() for p in params) * mp * 12 if with_opt else 0
+    return int((model + optim) * 1.1) + 2**16
+
+
 def save_checkpoint(trainer, cfg: CheckpointConfig, extra: Optional[Dict[str, Any]] = None, *,
                     step: Optional[int] = None) -> str:
     """Save ``trainer`` (collective: every rank calls it) as ``cfg.root/iter_<step>``; return the path.
 
     ``extra`` is an opaque, picklable dict (identical on every rank; rank 0's copy is stored), returned
     by :func:`load_checkpoint`. ``step`` numbers the directory (default: the trainer's optimizer step; an
-    RL driver passes its own step, which also counts steps that had nothing to train on).
+    RL driver passes its own step, which also counts steps that had nothing to train on). Raises
+    :class:`CheckpointSpaceError` on every rank when the disk is (or becomes) too full.
     """
     from megatron.core import dist_checkpointing
 
     root, name = os.path.abspath(cfg.root), iter_name(trainer.step if step is None else step)
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
     rank0 = dist.get_rank() == 0
-    if rank0:
-        os.makedirs(root, exist_ok=True)
-        for stale in (n for n in os.listdir(root) if n.startswith((".tmp_iter_", ".tmp_old_iter_"))):
-            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)  # crashed earlier saves
-        os.makedirs(tmp)
-    dist.barrier()
     with_opt = cfg.save_optimizer and trainer.optimizer is not None
+    need = _space_needed(trainer, root, with_opt)
+
+    def prepare() -> None:
+        if rank0:
+            os.makedirs(root, exist_ok=True)
+            for stale in (n for n in os.listdir(root) if n.startswith((".tmp_iter_", ".tmp_old_iter_"))):
+                shutil.rmtree(os.path.join(root, stale), ignore_errors=True)  # crashed earlier saves
+            problem = integrity.space_problem(root, need)
+            if problem is not None:
+                raise CheckpointSpaceError(problem)
+            os.makedirs(tmp)
+
+    integrity.on_every_rank(prepare, root, need, tmp)
     state = _sharded_state(trainer, with_opt, cfg.optimizer_format, is_loading=False)
     state["rng_state"] = _rng_object(_rng_state())
     state["trainer"] = dict(_trainer_state(trainer), has_optimizer=with_opt, optimizer_format=cfg.optimizer_format)
     state["extra"] = dict(extra or {})
-    dist_checkpointing.save(state, tmp)
-    dist.barrier()
+    integrity.on_every_rank(lambda: dist_checkpointing.save(state, tmp), root, need, tmp)
+    entries = integrity.checksums(tmp)
+    integrity.on_every_rank(lambda: rank0 and integrity.write_manifest(tmp, entries), root, need, tmp)
     if _first_rank_on_host():
         _fsync_tree(tmp)
     dist.barrier()
@@ -332,23 +391,58 @@ class LoadResult:
     optimizer_loaded: bool
     rng_loaded: bool
     saved_layout: Dict[str, Any]
+    skipped: List[str] = field(default_factory=list)  # newer checkpoints found damaged, with the reason
+
+
+def _candidates(root: str, step: Optional[int]) -> List[str]:
+    """``iter_<step>``; or the checkpoint ``latest`` names, then the older complete ones, newest first."""
+    if step is not None:
+        path = os.path.join(root, iter_name(step))
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no checkpoint {iter_name(step)} under {root} (complete ones: steps "
+                                    f"{list_checkpoints(root)})")
+        return [path]
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise FileNotFoundError(f"no checkpoint (latest) under {root}")
+    newest = int(_ITER_RE.match(os.path.basename(latest)).group(1))
+    return [latest] + [os.path.join(root, iter_name(s)) for s in reversed(list_checkpoints(root)) if s < newest]
+
+
+def _intact_checkpoint(root: str, step: Optional[int]) -> Tuple[str, Dict[str, Any], List[str]]:
+    skipped: List[str] = []
+    for path in _candidates(root, step):
+        problem, common = integrity.verify_collective(path)
+        if problem is None:
+            return path, common, skipped
+        name = os.path.basename(path)
+        if step is not None:
+            raise CheckpointCorruptError(f"checkpoint {name} (step {step}) is damaged: {problem}")
+        skipped.append(f"{name} is damaged: {problem}")
+        if dist.get_rank() == 0:
+            logger.warning("checkpoint %s is damaged, trying an older one: %s", name, problem)
+    raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(skipped))
 
 
 def load_checkpoint(trainer, root: str, step: Optional[int] = None, *, load_optimizer: bool = True,
                     load_rng: bool = True) -> LoadResult:
     """Load ``root``'s latest checkpoint (or ``iter_<step>``) into ``trainer`` (collective).
 
-    The checkpoint may come from another TP/PP/EP layout (see the module docstring for what reshards).
+    Files are checked against the checkpoint's manifest first: a damaged latest checkpoint is skipped for
+    the newest intact one (``LoadResult.skipped`` says why); a damaged ``iter_<step>`` raises
+    :class:`CheckpointCorruptError`. The checkpoint may come from another TP/PP/EP layout (see the module
+    docstring for what reshards), not from another model shape.
     """
     from megatron.core import dist_checkpointing
 
-    path = latest_checkpoint(root) if step is None else os.path.join(root, iter_name(step))
-    if path is None or not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint {'iter_%07d' % step if step is not None else '(latest)'} under {root}")
-    common = dist_checkpointing.load_common_state_dict(path)
+    path, common, skipped = _intact_checkpoint(root, step)
     saved = common["trainer"]
     if saved.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {saved.get('format_version')} != {FORMAT_VERSION}")
+    mismatch = signature_mismatch(saved.get("model_shape"), model_signature(trainer.built.arch))
+    if mismatch:
+        raise CheckpointMismatchError(f"{path} holds another model: {mismatch}. Resume with the model it was trained "
+                                      "from, or start a new run (another logging.output_dir, or overwrite=true)")
     with_opt = load_optimizer and trainer.optimizer is not None
     if with_opt and not saved.get("has_optimizer"):
         raise ValueError(f"{path} holds no optimizer state; load with load_optimizer=False")
@@ -384,5 +478,5 @@ def load_checkpoint(trainer, root: str, step: Optional[int] = None, *, load_opti
     if trainer.schedule is not None and saved["schedule"] is not None:
         trainer.schedule.load_state_dict(saved["schedule"])
     dist.barrier()
-    return LoadResult(path, saved["step"], common.get("extra", {}), with_opt, with_rng, saved["layout"])
+    return LoadResult(path, saved["step"], common.get("extra", {}), with_opt, with_rng, saved["layout"], skipped)
 

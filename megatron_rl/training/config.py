@@ -8,8 +8,9 @@ batch (:mod:`megatron_rl.training.batch`) and run once per step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
@@ -34,6 +35,9 @@ class OptimConfig:
             DistributedOptimizer; works on CPU through :mod:`megatron_rl.compat`).
         schedule: LR schedule (warmup + constant / cosine / length-surge), stepped once per successful
             optimizer step.
+        nonfinite_weights: what happens when an optimizer step (with finite gradients) makes the weights
+            non-finite: ``rollback`` (the step is undone and counted as skipped; keeps a host copy of the
+            parameters and Adam state, ~4x the parameter bytes) or ``stop`` (the run stops with an error).
     """
 
     lr: float = 1e-6
@@ -44,10 +48,13 @@ class OptimConfig:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
     schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    nonfinite_weights: Literal["rollback", "stop"] = "rollback"
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optim.lr={self.lr} must be a finite number > 0 (e.g. 1e-6)")
+        if self.nonfinite_weights not in ("rollback", "stop"):
+            raise ValueError(f"optim.nonfinite_weights={self.nonfinite_weights!r}: expected 'rollback' or 'stop'")
         if not self.weight_decay >= 0:
             raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):

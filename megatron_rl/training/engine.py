@@ -180,8 +180,9 @@ class PolicyTrainer:
             payloads = run_micro_batches(self.ddp, mbs, loss_fn, forward_only=False, before_forward=set_routes,
                                          on_micro_batch=self._ticker("train micro-batches", len(mbs)))
         loss, n_bad = self._step_loss(payloads)
-        applied, grad_norm = guarded_step(self.optimizer, self.optim_cfg.clip_grad,
-                                          math.isfinite(loss) and n_bad == 0)
+        applied, grad_norm, bad_weights = guarded_step(
+            self.optimizer, self.optim_cfg.clip_grad, math.isfinite(loss) and n_bad == 0,
+            params=self.module.parameters(), rollback=self.optim_cfg.nonfinite_weights == "rollback")
         if applied:
             self.step += 1
         else:
@@ -190,15 +191,19 @@ class PolicyTrainer:
             self.lr = lr_before
             zero_grads(self.ddp, self.optimizer)
             self.skipped_steps += 1
-            if dist.get_rank() == 0:
-                logger.warning("step %d skipped: non-finite loss or gradient (grad norm %s); %d step(s) skipped so far",
-                               self.step, grad_norm, self.skipped_steps)
         metrics = None
         if self.built.post_process:
             metrics = merge_micro_batch_metrics([p["metrics"] for p in payloads])
             metrics["train/nonfinite_policy_tokens"] = float(n_bad)
         loss, metrics = self._from_last_stage((loss, metrics))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
+        metrics["train/nonfinite_weights"] = float(bad_weights)
+        if not applied and dist.get_rank() == 0:
+            why = (f"the update made the weights non-finite at lr {lr:.3g} (rolled back)" if bad_weights else
+                   f"non-finite loss or gradient (loss {loss:.4g}, grad norm {grad_norm:.4g}, "
+                   f"{metrics['train/nonfinite_policy_tokens']:.0f} non-finite policy tokens)")
+            logger.warning("train step skipped after %d optimizer steps: %s; %d step(s) skipped so far",
+                           self.step, why, self.skipped_steps)
         metrics.update(self.schedule.metrics())  # the length-surge state (the run report plots it)
         metrics.update(self.routing.after_step(batch, tracker, metrics, routing_metrics))
         return StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not applied,

@@ -5,12 +5,18 @@ The step is split the way Megatron's own ``optimizer.step()`` is split internall
 include the loss, taken on the last pipeline stage, and is made identically on every rank with one
 all-reduce. A skipped step never reaches ``step_with_ready_grads``: parameters and optimizer state
 (moments, step counts) stay bitwise unchanged.
+
+Finite gradients can still give non-finite weights (an absurd learning rate, an overflowing moment). The
+weights are checked after every step (one all-reduce); with ``optim.nonfinite_weights="rollback"`` the step
+is undone from a host-memory copy of everything it writes (model and main parameters, Adam moments and
+counters: ~4x the parameters' bytes), so it counts as skipped exactly like a non-finite gradient; with
+``"stop"`` (no copy) the run stops with an error instead.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,11 +73,57 @@ def _clip(optimizer, max_norm: float, total_norm: float) -> None:
                                          use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
-def guarded_step(optimizer, clip_grad: float, loss_is_finite: bool) -> Tuple[bool, float]:
+class _Snapshot:
+    """Host copies of every tensor an optimizer step writes; :meth:`restore` puts them back bitwise."""
+
+    def __init__(self, optimizer, params: Iterable[torch.Tensor]):
+        tensors: List[torch.Tensor] = list(params)
+        self.group_steps = []
+        self.stateless = []  # (optimizer, param) without state yet: the step creates it, the restore removes it
+        for leaf in _leaf_optimizers(optimizer):
+            inner = getattr(leaf, "optimizer", None)
+            if inner is None or getattr(leaf, "is_stub_optimizer", False):
+                continue
+            for group in inner.param_groups:
+                self.group_steps.append((group, group.get("step")))
+                for p in group["params"]:
+                    tensors.append(p)
+                    state = inner.state.get(p)
+                    if state:
+                        tensors += [v for v in state.values() if torch.is_tensor(v)]
+                    else:
+                        self.stateless.append((inner, p))
+        unique = {id(t): t for t in tensors}
+        self.saved = [(t, t.detach().to("cpu", copy=True)) for t in unique.values()]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for t, copy in self.saved:
+            t.copy_(copy)
+        for group, step in self.group_steps:
+            if step is not None:
+                group["step"] = step
+        for inner, p in self.stateless:
+            inner.state.pop(p, None)
+
+
+def _all_finite(params: Iterable[torch.Tensor]) -> bool:
+    """Whether every rank's parameters are finite (collective)."""
+    bad = torch.tensor([0.0 if all(bool(torch.isfinite(p).all()) for p in params) else 1.0])
+    if dist.get_backend() == "nccl":
+        bad = bad.cuda()
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def guarded_step(optimizer, clip_grad: float, loss_is_finite: bool, params: Iterable[torch.Tensor] = (),
+                 rollback: bool = True) -> Tuple[bool, float, bool]:
     """Prepare gradients, compute the global grad norm, and step unless anything is non-finite.
 
     Collective over the whole job (call it on every rank). ``loss_is_finite`` is this rank's verdict on
-    the loss (ranks without a loss pass True). Returns ``(applied, grad_norm before clipping)``.
+    the loss (ranks without a loss pass True). ``params``: the model parameters, checked after the step; a
+    step that makes them non-finite is undone (``rollback``) or raises ``FloatingPointError``. Returns
+    ``(applied, grad_norm before clipping, weights_were_nonfinite)``.
     """
     found_inf = optimizer.prepare_grads()  # fp16: unscales, checks for inf; fp32: grads into place
     grad_norm = float(optimizer.get_grad_norm())
@@ -80,11 +132,21 @@ def guarded_step(optimizer, clip_grad: float, loss_is_finite: bool) -> Tuple[boo
         bad = bad.cuda()
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if bool(bad.any()):
-        return False, grad_norm
+        return False, grad_norm, False
     if clip_grad > 0:
         _clip(optimizer, clip_grad, grad_norm)
+    params = list(params)
+    snapshot = _Snapshot(optimizer, params) if rollback and params else None
     optimizer.step_with_ready_grads()
-    return True, grad_norm
+    if not params or _all_finite(params):
+        return True, grad_norm, False
+    if snapshot is None:
+        raise FloatingPointError(
+            f"the optimizer step made the weights non-finite (gradient norm {grad_norm:.4g} was finite): the "
+            "learning rate is too large for this model; resume from the last checkpoint with a lower optim.lr, "
+            "or set optim.nonfinite_weights=rollback to skip such steps")
+    snapshot.restore()
+    return False, grad_norm, True
 
 
 def zero_grads(ddp, optimizer) -> None:

@@ -70,9 +70,17 @@ def test_compare_names_the_worst_position_and_token():
     assert compare_logprobs(trainer, engine, 1.0, ids, mean_tolerance=0.1).max_abs_diff == pytest.approx(0.3, abs=1e-6)
     with pytest.raises(WeightMismatchError, match=r"mean \|diff\| 0.3 over 8 positions \(tolerance 1, mean 0.1\)"):
         compare_logprobs(trainer, trainer + 0.3, 1.0, ids, mean_tolerance=0.1)
-    engine[2] = math.nan  # not finite: a failure even though nan > tol is False
-    with pytest.raises(WeightMismatchError, match="by up to inf at probe position 2"):
+    engine[2] = math.nan  # not finite: a failure even though nan > tol is False; the message names the side
+    with pytest.raises(WeightMismatchError, match=r"the engine's probe log-probs are non-finite \(1 of 8, first at "
+                                                  r"position 2\) while the trainer's are finite") as info:
         compare_logprobs(trainer, engine, 1e-4, ids)
+    assert info.value.position == 2 and info.value.max_abs_diff == math.inf
+    bad_trainer = trainer.clone()
+    bad_trainer[4:] = math.inf
+    with pytest.raises(WeightMismatchError, match=r"the trainer's probe log-probs are non-finite \(4 of 8, first at "
+                                                  r"position 4\), and so are the engine's \(1 of 8, first at position 2\)"
+                                                  r": the trainer's weights diverged"):
+        compare_logprobs(bad_trainer, engine, 1e-4, ids)
     with pytest.raises(WeightMismatchError, match="did not score the whole probe"):
         compare_logprobs(trainer, trainer[:-1], 1e-4, ids)
 

@@ -27,6 +27,10 @@ CUSTOM_SOURCE = textwrap.dedent("""
             return len(bytearray(4 << 30))  # 4 GiB, far past the 512 MiB limit below
         if response == "exit":
             os._exit(3)
+        if response == "huge":  # finite in float64, inf as the float32 advantage it becomes
+            return 1e300
+        if response == "string":
+            return "1.0"
         return weight * float(response.strip() == label)
 
     NOT_CALLABLE = 3
@@ -121,6 +125,9 @@ def test_config_validation():
         RewardConfig(kind="regex")
     with pytest.raises(ValueError, match="reward.timeout_s=0"):
         RewardConfig(timeout_s=0)
+    with pytest.raises(ValueError, match=r"reward.timeout_s=5 cannot be enforced with reward.in_process=true"):
+        RewardConfig(kind="exact_match", in_process=True, timeout_s=5)
+    assert RewardConfig(in_process=True).timeout_s is None and RewardConfig().worker_timeout_s == 10.0
     with pytest.raises(ValueError, match="reward.memory_limit_mb=64"):
         RewardConfig(memory_limit_mb=64)
     with pytest.raises(ValueError, match="custom_fn='m:f' is set but reward.kind='math'"):
@@ -140,14 +147,14 @@ def test_worker_failures_marked_and_batch_completes(custom_file, caplog):
     with RewardRunner(cfg) as runner:
         warm = runner.compute_rewards(["7", "8", "limit"], ["7", "7", "7"])  # start workers: time only failures
         assert warm.rewards == [1.0, 0.0, 512.0]
-        responses = ["7", "raise", "sleep", "nan", "alloc", "exit", "8", "7"]
+        responses = ["7", "raise", "sleep", "nan", "alloc", "exit", "8", "7", "huge", "string"]
         start = time.monotonic()
         res = runner.compute_rewards(responses, ["7"] * len(responses))
         elapsed = time.monotonic() - start
         after = runner.compute_rewards(["7"] * 4, ["7"] * 4)  # replaced workers serve the next batch
     assert elapsed < cfg.timeout_s + 4.0, elapsed  # bounded by the timeout, not the 60 s sleep
-    assert res.failed == [False, True, True, True, True, True, False, False]
-    assert res.rewards == [1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 0.0, 1.0]
+    assert res.failed == [False, True, True, True, True, True, False, False, True, True]
+    assert res.rewards == [1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 0.0, 1.0, -1.0, -1.0]
     reasons = res.reasons
     assert reasons[0] is None and reasons[6] is None
     assert reasons[1] == "exception: RuntimeError: reward blew up"
@@ -155,13 +162,15 @@ def test_worker_failures_marked_and_batch_completes(custom_file, caplog):
     assert reasons[3] == "non_finite: reward function returned nan"
     assert reasons[4] == "exception: MemoryError (over reward.memory_limit_mb=512)"
     assert reasons[5] == "worker_died: reward worker died (exit code 3) while scoring"
+    assert reasons[8] == "non_finite: reward function returned 1e+300, beyond float32 (|r| <= 3.4e+38)"
+    assert reasons[9] == "exception: TypeError: the reward function returned str '1.0', not a number"
     s = res.stats
     assert (s["reward/failed"], s["reward/failed_exception"], s["reward/failed_timeout"],
-            s["reward/failed_non_finite"], s["reward/failed_worker_died"]) == (5, 2, 1, 1, 1)
+            s["reward/failed_non_finite"], s["reward/failed_worker_died"]) == (7, 3, 1, 2, 1)
     assert s["reward/worker_restarts"] == 2
     assert after.rewards == [1.0] * 4 and not any(after.failed)
-    assert runner.total_samples == 15 and runner.total_failed == 5
-    assert any("5 of 8 rewards failed" in r.getMessage() for r in caplog.records)
+    assert runner.total_samples == 17 and runner.total_failed == 7
+    assert any("7 of 10 rewards failed" in r.getMessage() for r in caplog.records)
 
 
 def test_math_reward_in_workers():
@@ -173,6 +182,20 @@ def test_math_reward_in_workers():
 
 def test_in_process_failures_marked(custom_file):
     cfg = RewardConfig(kind="custom", custom_fn=f"{custom_file}:reward", in_process=True, failure_reward=0.0)
-    res = RewardRunner(cfg).compute_rewards(["raise", "nan", "7"], ["7", "7", "7"])
-    assert res.rewards == [0.0, 0.0, 1.0] and res.failed == [True, True, False]
+    res = RewardRunner(cfg).compute_rewards(["raise", "nan", "7", "huge", "string"], ["7"] * 5)
+    assert res.rewards == [0.0, 0.0, 1.0, 0.0, 0.0] and res.failed == [True, True, False, True, True]
     assert res.reasons[:2] == ["exception: RuntimeError: reward blew up", "non_finite: reward function returned nan"]
+    assert res.reasons[3:] == ["non_finite: reward function returned 1e+300, beyond float32 (|r| <= 3.4e+38)",
+                               "exception: TypeError: the reward function returned str '1.0', not a number"]
+    assert res.stats["reward/failed_non_finite"] == 2.0
+    # numpy / torch scalars are numbers
+    import numpy as np
+    import torch
+
+    from megatron_rl.data.rewards.builtin import reward_value
+    assert reward_value(np.float32(0.5)) == 0.5 and reward_value(torch.tensor(2.0)) == 2.0 and reward_value(True) == 1.0
+    assert reward_value([1, np.float64(0.5)]) == (1.0, 0.5)  # per-token rewards
+    with pytest.raises(TypeError, match="dict"):
+        reward_value({"r": 1.0})
+    with pytest.raises(TypeError, match="str '1'"):
+        reward_value([0.0, "1"])

@@ -97,7 +97,7 @@ def test_tiny_moe_assets_keep_their_own_directory(assets, tmp_path):
 def test_all_problems_reported_at_once(assets, tmp_path):
     with pytest.raises(ConfigError) as e:
         _load(assets, tmp_path, "parallel.world_size=3", "rollout.sampling.temperature=0.5", "rollout.off_policy=1")
-    assert str(e.value).startswith("3 problem(s) in the config")
+    assert str(e.value).startswith("3 problems in the config")
 
 
 def test_tokenizer_larger_than_model_vocabulary(assets, tmp_path):

@@ -11,6 +11,7 @@ gold answer that does not parse): the runner then marks the sample failed with t
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import re
 import threading
@@ -60,9 +61,18 @@ def math_reward(response_text: str, label: Any, **_: Any) -> float:
 
 
 def reward_value(value: Any) -> "float | tuple":
-    """A reward function's return value as a float, or a tuple of floats (per-token rewards)."""
+    """A reward function's return value as a float, or a tuple of floats (per-token rewards). What is not a
+    number raises ``TypeError``: a string such as ``"1.0"`` is a bug in the reward, not a reward (numpy and
+    torch scalars are numbers)."""
     if isinstance(value, (list, tuple)) or (hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1):
-        return tuple(float(v) for v in (value.tolist() if hasattr(value, "tolist") else value))
+        return tuple(_number(v) for v in (value.tolist() if hasattr(value, "tolist") else value))
+    return _number(value)
+
+
+def _number(value: Any) -> float:
+    scalar = getattr(value, "shape", None) == () and hasattr(value, "item") and not isinstance(value.item(), str)
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or scalar):
+        raise TypeError(f"the reward function returned {type(value).__name__} {str(value)[:40]!r}, not a number")
     return float(value)
 
 

@@ -10,6 +10,7 @@ RewardKind = Literal["math", "exact_match", "custom"]
 _KINDS = ("math", "exact_match", "custom")
 # Below this an interpreter plus sympy (math-verify) cannot even start under RLIMIT_AS.
 MIN_MEMORY_LIMIT_MB = 256
+DEFAULT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class RewardConfig:
     custom_fn:       ``"package.module:function"`` or ``"path/to/file.py:function"``; the function is
                      called as ``fn(response_text, label, **sample_info) -> float`` (keyword arguments it
                      does not accept are not passed).
-    timeout_s:       per-sample wall-clock limit; the worker running a sample past it is killed and
-                     replaced, and the sample fails (only enforced with ``in_process=False``).
+    timeout_s:       per-sample wall-clock limit of the worker processes (``None``: 10 s); the worker
+                     running a sample past it is killed and replaced, and the sample fails. An in-process
+                     reward cannot be stopped, so setting it with ``in_process=True`` is refused.
     num_workers:     reward worker processes (started once, reused across batches).
     memory_limit_mb: ``RLIMIT_AS`` of each worker (address space, so it also bounds what model-written
                      code run by a reward can allocate); ``None`` for no limit.
@@ -45,13 +47,17 @@ class RewardConfig:
 
     kind: RewardKind = "math"
     custom_fn: Optional[str] = None
-    timeout_s: float = 10.0
+    timeout_s: Optional[float] = None
     num_workers: int = 4
     memory_limit_mb: Optional[int] = 4096
     failure_reward: float = 0.0
     in_process: bool = False
     exact_match: ExactMatchOptions = field(default_factory=ExactMatchOptions)
     progress_min_batch: int = 256
+
+    @property
+    def worker_timeout_s(self) -> float:
+        return DEFAULT_TIMEOUT_S if self.timeout_s is None else float(self.timeout_s)
 
     def __post_init__(self) -> None:
         if isinstance(self.exact_match, dict):  # from YAML
@@ -65,8 +71,13 @@ class RewardConfig:
         elif self.custom_fn is not None:
             raise ValueError(f"reward.custom_fn={self.custom_fn!r} is set but reward.kind={self.kind!r}; "
                              "set kind='custom' to use it, or remove custom_fn")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0 or math.isinf(self.timeout_s):
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                                           or not self.timeout_s > 0 or math.isinf(self.timeout_s)):
             raise ValueError(f"reward.timeout_s={self.timeout_s!r}: expected a finite number of seconds > 0")
+        if self.in_process and self.timeout_s is not None:
+            raise ValueError(f"reward.timeout_s={self.timeout_s} cannot be enforced with reward.in_process=true (a reward "
+                             "running in the driver cannot be stopped); set in_process=false to run it in worker "
+                             "processes with that timeout, or remove timeout_s")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"reward.num_workers={self.num_workers!r}: expected an integer >= 1")
         if self.memory_limit_mb is not None and (

@@ -171,7 +171,7 @@ class RewardWorkerPool:
         except Exception as exc:  # the sample itself cannot be pickled (pickling precedes any write)
             finish(i, Outcome(kind="exception", error=f"cannot send sample to worker: {type(exc).__name__}: {exc}"))
             return
-        w.task, w.deadline = i, time.monotonic() + self.config.timeout_s
+        w.task, w.deadline = i, time.monotonic() + self.config.worker_timeout_s
 
     def _wait_and_collect(self, finish: Callable) -> None:
         now = time.monotonic()
@@ -219,7 +219,7 @@ class RewardWorkerPool:
                 i = w.task
                 self._replace(w)  # SIGKILL: a hung reward does not get to clean up, and cannot block us
                 finish(i, Outcome(kind="timeout", error=f"reward did not finish within reward.timeout_s="
-                                                        f"{self.config.timeout_s} s; worker killed and replaced"))
+                                                        f"{self.config.worker_timeout_s:g} s; worker killed and replaced"))
             elif not w.ready and now >= w.started + START_TIMEOUT_S:
                 raise RuntimeError(f"a reward worker did not start within {START_TIMEOUT_S:.0f} s")
 

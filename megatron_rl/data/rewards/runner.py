@@ -1,8 +1,9 @@
 """Score a batch of responses: ``RewardRunner(config).compute_rewards(responses, labels)``.
 
-A sample whose reward raised, timed out, returned something that is not a finite number, or whose
-worker died is *failed*: it gets ``config.failure_reward``, ``failed=True`` and a reason, is counted in
-the stats and logged — and the batch completes. Only a broken set-up (a ``custom_fn`` that cannot be
+A sample whose reward raised, timed out, returned something that is not a number (a string such as
+"1.0" included) or not a finite float32 (1e300 would overflow the float32 advantages), or whose worker
+died is *failed*: it gets ``config.failure_reward``, ``failed=True`` and a reason, is counted in the
+stats and logged — and the batch completes. Only a broken set-up (a ``custom_fn`` that cannot be
 imported: ``ValueError`` at construction; workers that cannot start: ``RuntimeError``) raises.
 """
 
@@ -25,6 +26,7 @@ from megatron_rl.data.rewards.resolve import build_reward_fn
 logger = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("exception", "timeout", "non_finite", "worker_died")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -108,6 +110,10 @@ class RewardRunner:
             values = o.value if isinstance(o.value, tuple) else (o.value,)
             if o.kind is None and not all(math.isfinite(v) for v in values):  # type: ignore[arg-type]
                 o = Outcome(kind="non_finite", error=f"reward function returned {o.value!r}")
+            elif o.kind is None and any(abs(v) > FLOAT32_MAX for v in values):  # type: ignore[arg-type]
+                # rewards become float32 advantages: 1e300 would turn into inf, then NaN advantages
+                o = Outcome(kind="non_finite", error=f"reward function returned {o.value!r}, beyond float32 "
+                                                     f"(|r| <= {FLOAT32_MAX:.3g})")
             reasons.append(None if o.kind is None else f"{o.kind}: {o.error}")
             per_token.append(o.value if o.kind is None and isinstance(o.value, tuple) else None)
             rewards.append(self.config.failure_reward if o.kind is not None else float(sum(values)))  # type: ignore[arg-type]

@@ -1,0 +1,197 @@
+"""Checks of what a run config points at, run by :func:`~megatron_rl.config_checks.check_run_config` (so by
+``--dry-run``) before anything starts: each problem one line naming the file or field, the value and the fix.
+
+* prompt tables (``data``, ``eval.data``): readable, not empty, every row with the configured columns;
+* model directories: ``config.json`` parses, every safetensors file has a readable header and the size it
+  announces (a truncated download is named, not found by a failed tensor load);
+* ``reward.custom_fn`` imports and has the function;
+* the output directory and checkpoint root can be written;
+* resuming: the ``latest`` pointer names a checkpoint, ``resume_step`` exists, and the checkpoint was trained
+  from a model of this shape, with this LR schedule;
+* ``rollout.urls`` of remote servers answer ``/health``.
+"""
+
+from __future__ import annotations
+
+import glob
+import http.client
+import json
+import os
+import struct
+import tempfile
+import urllib.error
+import urllib.request
+from typing import List, Optional
+
+from megatron_rl.config import RunConfig
+
+
+def check_files(cfg: RunConfig, out: List[str]) -> None:
+    for check in (_data, _models, _reward, _writable, _resume, _remote):
+        check(cfg, out)
+
+
+def _data(cfg: RunConfig, out: List[str]) -> None:
+    from megatron_rl.data.loading import check_prompt_file
+
+    for section, data in (("data", cfg.data), ("eval.data", cfg.eval.data)):
+        if data is None:
+            continue
+        try:
+            check_prompt_file(data, section)
+        except ValueError as e:
+            out.append(str(e))
+
+
+def safetensors_problem(path: str) -> Optional[str]:
+    """Why a ``.safetensors`` file cannot be loaded (header unreadable, or shorter than its header says)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size:
+                raise ValueError(f"a header of {n} bytes in a {size}-byte file")
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        return f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); download it again"
+    if size < 8 + n + end:
+        return f"{path} has {size} bytes but its header describes {8 + n + end} (truncated); download it again"
+    return None
+
+
+def _model_dir(path: Optional[str], field: str, out: List[str]) -> None:
+    if path is None or not os.path.isdir(path):
+        return  # reported by config_checks._paths
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        out.append(f"{field}={path!r}: config.json cannot be read ({type(e).__name__}: {e}); restore the file")
+        return
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            out.append(f"{field}={path!r}: {index} cannot be read ({type(e).__name__}: {e})")
+            return
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            out.append(f"{field}={path!r}: shard(s) {missing} named by model.safetensors.index.json are missing; "
+                       "download them")
+    for f in files:
+        problem = safetensors_problem(f)
+        if problem:
+            out.append(f"{field}: {problem}")
+
+
+def _models(cfg: RunConfig, out: List[str]) -> None:
+    _model_dir(cfg.model.hf_path, "model.hf_path", out)
+    ref = cfg.train.reference_model
+    if ref is not None and ref.hf_path != cfg.model.hf_path:
+        _model_dir(ref.hf_path, "warmup.teacher" if cfg.warmup.teacher else "train.reference_model.hf_path", out)
+
+
+def _reward(cfg: RunConfig, out: List[str]) -> None:
+    if cfg.reward.kind != "custom" or not cfg.reward.custom_fn:
+        return
+    target = cfg.reward.custom_fn.rsplit(":", 1)[0]
+    if target.endswith(".py") and not os.path.isfile(target):
+        return  # reported by config_checks._paths
+    from megatron_rl.data.rewards.resolve import load_custom_fn
+
+    try:
+        load_custom_fn(cfg.reward.custom_fn)  # what the run does first: imports the module
+    except ValueError as e:
+        out.append(str(e))
+
+
+def _writable(cfg: RunConfig, out: List[str]) -> None:
+    for field, path in (("logging.output_dir", cfg.output_dir), ("checkpoint.root", cfg.checkpoint_root)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            out.append(f"{field}={path!r} is a file, not a directory; choose a directory")
+            return  # the checkpoint root usually lies inside: one message is enough
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        try:
+            if not os.path.isdir(existing):
+                raise NotADirectoryError(f"{existing!r} is a file")
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".megatron_rl_write_check_")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            out.append(f"{field}={path!r} cannot be written ({type(e).__name__}: {e}); choose a writable directory")
+            return  # the checkpoint root usually lies inside: one message is enough
+
+
+def _resume(cfg: RunConfig, out: List[str]) -> None:
+    from megatron_rl.training.checkpoint import iter_name, latest_checkpoint, list_checkpoints
+
+    if not cfg.resume:
+        return
+    root, steps = cfg.checkpoint_root, list_checkpoints(cfg.checkpoint_root)
+    if cfg.resume_step is not None:
+        path = os.path.join(root, iter_name(cfg.resume_step))
+        if not os.path.isdir(path):
+            out.append(f"resume_step={cfg.resume_step}: no checkpoint {iter_name(cfg.resume_step)} in {root} "
+                       f"(checkpoints there: steps {steps}); pick one of them")
+            return
+    else:
+        try:
+            path = latest_checkpoint(root)
+        except ValueError as e:
+            out.append(f"resume=true: {e}; set resume_step to one of the checkpoints there (steps {steps}) or "
+                       "remove the latest file")
+            return
+    if path is not None:
+        _same_model(cfg, path, out)
+
+
+def _same_model(cfg: RunConfig, path: str, out: List[str]) -> None:
+    """The checkpoint's model shape (recorded since manifests exist) against ``model.hf_path``'s, and its LR
+    schedule against ``optim``'s (the trainer refuses to continue another schedule)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from megatron_rl.models.config import HFArch
+    from megatron_rl.training.checkpoint import model_signature, signature_mismatch
+
+    try:
+        saved = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)["trainer"]
+        current = model_signature(HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path)))
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is the run's to skip (with a warning); files: reported
+        return
+    mismatch = signature_mismatch(saved.get("model_shape"), current)
+    if mismatch:
+        out.append(f"resume=true: {path} was trained from another model than model.hf_path={cfg.model.hf_path!r} "
+                   f"({mismatch}); resume with that model, or start a new run (another logging.output_dir, or "
+                   "overwrite=true)")
+    schedule = (saved.get("schedule") or {}).get("config")
+    now = dataclasses.asdict(cfg.optim.schedule)
+    changed = [f"{k} {schedule[k]!r} (checkpoint) vs {now[k]!r} (now)" for k in now if schedule and k in schedule
+               and schedule[k] != now[k]]
+    if changed:
+        out.append(f"resume=true: {path} continues another LR schedule ({', '.join(changed)}; optim.lr is the "
+                   "schedule's lr); resume with the optim settings it was trained with, or start a new run")
+
+
+def _remote(cfg: RunConfig, out: List[str]) -> None:
+    if cfg.rollout.engine != "remote":
+        return
+    for i, url in enumerate(cfg.rollout.urls):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            out.append(f"rollout.urls[{i}]={url!r} answers /health with HTTP {e.code}: not a healthy SGLang server; "
+                       "check the URL and the server's log")
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            out.append(f"rollout.urls[{i}]={url!r}: no SGLang server answers there ({reason}); start it, or fix "
+                       "the URL (the port may belong to another program)")

@@ -1,0 +1,575 @@
+"""Reliability replay of the tiny recipe (issue 16): bad inputs and injected faults, counted.
+
+    python tools/chaos.py [--inputs] [--faults] [--work DIR]
+
+* **Bad inputs** (:data:`BAD_INPUTS`, in-process ``megatron-rl train ... --dry-run``, or a real start where only
+  a run can tell): each must end with exit 2 and one line per problem naming the field or file, no traceback,
+  and must leave the output directory of a previous run as it was (``config.yaml``, ``metrics.jsonl``).
+* **Faults** (:func:`fault_chain`): one uninterrupted reference run and one run taken through a chain of faults —
+  kill -9 of a trainer rank, SIGTERM with ``checkpoint.on_signal``, kill -9 of the driver between committing a
+  checkpoint and writing its metrics line, SIGTERM, a damaged newest checkpoint, kill -9 of the rollout engine —
+  each followed by ``resume=true``; every metrics line (timings excluded) must equal the reference's. Also:
+  every listening socket of the run's processes is on the loopback interface, and no process of a run outlives
+  a SIGKILL'd driver by more than a few seconds.
+
+Prints markdown tables and writes ``bench_results/chaos.json``. ``tests/e2e/test_reliability.py`` runs both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(REPO, "examples", "tiny_cpu.yaml")
+TIMING = ("time/", "perf/", "sync/seconds")  # wall-clock figures: not compared between runs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the tiny run
+# ---------------------------------------------------------------------------------------------------------
+
+
+def assets(directory: str) -> Dict[str, str]:
+    """The tiny recipe's assets with a barely trained teacher (quick to make)."""
+    from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
+
+    return prepare_tiny_arithmetic(directory, sft_steps=20)
+
+
+def overrides(a: Dict[str, str], out: str, *extra: str, steps: int = 6, warmup: int = 6) -> List[str]:
+    return ["prepare.kind=none", f"model.hf_path={a['student']}", f"data.path={a['train.jsonl']}",
+            f"warmup.teacher={a['teacher']}", f"eval.data.path={a['eval.jsonl']}", f"logging.output_dir={out}",
+            f"steps={steps}", f"warmup.steps={warmup}", "rollout.prompts_per_step=8", "train.micro_batch_size=16",
+            "eval.interval=0", "logging.progress=false", "checkpoint.save_hf=false", *extra]
+
+
+def env() -> Dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+
+
+class Run:
+    """``megatron-rl train`` in a subprocess, its log, and its process tree."""
+
+    def __init__(self, args: List[str], log: str, extra_env: Optional[Dict[str, str]] = None):
+        self.log_path = log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", RECIPE, *args], cwd=REPO,
+                                     env={**env(), **(extra_env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_for(self, pattern: str, timeout: float = 600.0) -> bool:
+        """Until ``pattern`` (a regex) is in the log; False if the run ended first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if re.search(pattern, self.text(), re.M):
+                return True
+            if self.proc.poll() is not None:
+                return bool(re.search(pattern, self.text(), re.M))
+            time.sleep(0.2)
+        raise TimeoutError(f"{pattern!r} not in {self.log_path} after {timeout} s")
+
+    def descendants(self) -> Dict[int, str]:
+        """``{pid: command line}`` of every process below the driver."""
+        return descendants(self.proc.pid)
+
+    def wait(self, timeout: float = 900.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+
+def descendants(root: int) -> Dict[int, str]:
+    children: Dict[int, List[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        todo += children.get(pid, [])
+    return out
+
+
+def alive(pids) -> List[int]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie has exited
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def listening_sockets(pids) -> List[str]:
+    """``address:port`` of every listening TCP socket owned by ``pids`` (``ss -ltnp``)."""
+    text = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    wanted = {str(p) for p in pids}
+    return sorted({line.split()[3] for line in text.splitlines()
+                   if any(pid in wanted for pid in re.findall(r"pid=(\d+)", line))})
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+
+
+def metrics(out: str) -> List[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def metric_differences(a: List[dict], b: List[dict], rel: float = 1e-5, abs_: float = 1e-6) -> List[str]:
+    """What differs between two runs' lines (timings excluded); empty when they agree."""
+    diffs = []
+    if [m["step"] for m in a] != [m["step"] for m in b]:
+        return [f"steps {[m['step'] for m in a]} vs {[m['step'] for m in b]}"]
+    for ma, mb in zip(a, b):
+        ka = {k for k in ma if not k.startswith(TIMING)}
+        kb = {k for k in mb if not k.startswith(TIMING)}
+        if ka != kb:
+            diffs.append(f"step {ma['step']}: keys differ {sorted(ka ^ kb)}")
+        for k in sorted(ka & kb):
+            x, y = ma[k], mb[k]
+            if isinstance(x, str) or isinstance(y, str):
+                same = x == y
+            else:
+                same = abs(x - y) <= abs_ + rel * abs(x)
+            if not same:
+                diffs.append(f"step {ma['step']}: {k} {x} vs {y}")
+    return diffs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad inputs
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    args: List[str]  # overrides (after the base ones)
+    expect: str  # a regex the error must contain (the field or file and the value)
+    setup: Optional[Callable[[str, Dict[str, str]], List[str]]] = None  # (work dir, assets) -> more overrides
+    run: bool = False  # needs a real start (not knowable by --dry-run)
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _copy_model(src: str, dst: str, damage: Optional[Callable[[str], None]] = None) -> str:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    if damage:
+        damage(dst)
+    return dst
+
+
+def _truncate(path: str, keep: float = 0.5) -> None:
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: int(len(data) * keep)])
+
+
+def _busy_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    _busy_port.sockets.append(s)  # held (accepting nothing) while the cases run
+    return s.getsockname()[1]
+
+
+_busy_port.sockets = []
+
+
+ROW = '{"prompt": "1+1=", "answer": "2"}'
+
+
+def _file(field_: str, name: str, text: str) -> Callable:
+    """A setup writing ``text`` to ``name`` in the case's directory and pointing ``field_`` at it."""
+    return lambda w, a: [f"{field_}={_write(os.path.join(w, name), text)}"]
+
+
+BAD_INPUTS: List[Case] = [
+    # -- types and values: every one of them reported by one run
+    Case("several type errors at once", ["steps=x", "rollout.n_samples_per_prompt=1.5", "optim.lr=abc",
+                                         "logging.progress=maybe"], r"problems in the config:(\n  - .*){4,}"),
+    Case("unknown field", ["rollout.temprature=1.0"], r"rollout\.temprature: unknown field"),
+    Case("unknown section", ["rolout.n_samples_per_prompt=4"], r"rolout: unknown field; did you mean 'rollout'"),
+    Case("override without =", ["steps"], r"override 'steps'"),
+    Case("recipe missing", ["__recipe__=/nonexistent.yaml"], r"recipe '/nonexistent.yaml' does not exist"),
+    Case("steps=0", ["steps=0"], r"steps=0 must be >= 1"),
+    Case("negative warm-up", ["warmup.steps=-1"], r"warmup.steps=-1"),
+    Case("lr inf", ["optim.lr=.inf"], r"optim.lr=inf must be a finite number"),
+    Case("lr nan", ["optim.lr=.nan"], r"optim.lr=nan must be a finite number"),
+    Case("lr negative", ["optim.lr=-1e-3"], r"optim.lr=-0.001 must be a finite number"),
+    Case("min_lr nan", ["optim.schedule.min_lr=.nan"], r"min_lr=nan"),
+    Case("max_new_tokens 0", ["rollout.sampling.max_new_tokens=0"], r"max_new_tokens=0 must be >= 1"),
+    Case("top_p 0", ["rollout.sampling.top_p=0"], r"top_p=0.0 must be in \(0, 1\]"),
+    Case("top_k 0", ["rollout.sampling.top_k=0"], r"top_k=0 must be -1"),
+    Case("temperature negative", ["rollout.sampling.temperature=-1", "train.temperature=-1"], r"temperature=-1"),
+    Case("temperature mismatch", ["rollout.sampling.temperature=0.7"], r"temperature=0.7 and train.temperature=1.0"),
+    Case("batch not divisible", ["rollout.prompts_per_step=3"], r"not divisible by data-parallel size"),
+    Case("world size vs tp", ["parallel.world_size=3"], r"parallel.world_size=3 is not divisible"),
+    Case("off-policy colocated", ["rollout.off_policy=1"], r"off_policy=1 .*placement='colocated'"),
+    Case("in-process reward with a timeout", ["reward.timeout_s=5"], r"reward.timeout_s=5.0 cannot be enforced"),
+    Case("checkpoint interval negative", ["checkpoint.interval=-2"], r"checkpoint.interval=-2"),
+    Case("keep_last negative", ["checkpoint.keep_last=-1"], r"keep_last=-1"),
+    Case("resume_step negative", ["resume_step=-3"], r"resume_step=-3"),
+    Case("bad YAML value", ["rollout.urls=[unclosed"], r"not valid YAML"),
+    # -- files
+    Case("data missing", ["data.path=/no/such.jsonl"], r"data.path='/no/such.jsonl' does not exist"),
+    Case("empty jsonl", [], r"data.path='.*empty.jsonl' has no rows", _file("data.path", "empty.jsonl", "")),
+    Case("broken jsonl line", [], r"broken.jsonl' line 2: not valid JSON",
+         _file("data.path", "broken.jsonl", ROW + "\n" + '{"prompt": \n')),
+    Case("jsonl row not an object", [], r"line 1: a list, not an object",
+         _file("data.path", "list.jsonl", "[1, 2]\n[3]\n")),
+    Case("prompt column missing", ["data.prompt_field=question"], r"data.prompt_field: column 'question' is not in"),
+    Case("label column missing", ["data.label_field=solution"], r"data.label_field: column 'solution' is not in"),
+    Case("label missing in one row", [], r"data.label_field: column 'answer' is not in .*\(line 2\)",
+         _file("data.path", "nolabel.jsonl", ROW + "\n" + '{"prompt": "2+2="}\n')),
+    Case("eval data broken", ["eval.interval=5"], r"eval.data.path=.*line 1: not valid JSON",
+         _file("eval.data.path", "evalbroken.jsonl", "nope\n")),
+    Case("data extension unknown", [], r"cannot infer the format from extension '.csv'",
+         _file("data.path", "p.csv", "a,b\n")),
+    Case("model dir missing", ["model.hf_path=/no/such/model"], r"model.hf_path='/no/such/model' is not a local HF"),
+    Case("corrupt safetensors (truncated)", [], r"model.hf_path: .*model.safetensors has \d+ bytes but its header "
+         r"describes \d+ \(truncated\)", lambda w, a: [f"model.hf_path={_copy_model(a['student'], os.path.join(w, 'trunc'), lambda d: _truncate(os.path.join(d, 'model.safetensors')))}"]),
+    Case("corrupt safetensors (garbage)", [], r"model.safetensors is not a readable safetensors file", lambda w, a: [
+        f"model.hf_path={_copy_model(a['student'], os.path.join(w, 'garbage'), lambda d: _write(os.path.join(d, 'model.safetensors'), 'not a model'))}"]),
+    Case("corrupt teacher safetensors", [], r"warmup.teacher: .*truncated", lambda w, a: [
+        f"warmup.teacher={_copy_model(a['teacher'], os.path.join(w, 'tteach'), lambda d: _truncate(os.path.join(d, 'model.safetensors'), 0.9))}"]),
+    Case("broken config.json", [], r"model.hf_path=.*config.json cannot be read", lambda w, a: [
+        f"model.hf_path={_copy_model(a['student'], os.path.join(w, 'badcfg'), lambda d: _write(os.path.join(d, 'config.json'), '{oops'))}"]),
+    Case("custom reward: module missing", ["reward.kind=custom", "reward.custom_fn=no_such_mod_xyz:f"],
+         r"reward.custom_fn='no_such_mod_xyz:f': cannot import module"),
+    Case("custom reward: import raises", [], r"reward.custom_fn=.*importing .* failed \(ZeroDivisionError",
+         lambda w, a: ["reward.kind=custom", f"reward.custom_fn={_write(os.path.join(w, 'r1.py'), 'x = 1 / 0')}:f"]),
+    Case("custom reward: no such function", [], r"has no attribute 'reward'", lambda w, a: [
+        "reward.kind=custom", f"reward.custom_fn={_write(os.path.join(w, 'r2.py'), 'def other(r, l): return 0.0')}:reward"]),
+    Case("custom reward: wrong signature", [], r"cannot be called as fn\(response_text, label", lambda w, a: [
+        "reward.kind=custom", f"reward.custom_fn={_write(os.path.join(w, 'r3.py'), 'def reward(): return 0.0')}:reward"]),
+    Case("custom reward: file missing", ["reward.kind=custom", "reward.custom_fn=/no/such_reward.py:f"],
+         r"reward.custom_fn='/no/such_reward.py:f': file '/no/such_reward.py' does not exist"),
+    Case("output dir is a file", [], r"logging.output_dir=.* is a file", lambda w, a: [
+        f"logging.output_dir={_write(os.path.join(w, 'a_file'), 'x')}"]),
+    Case("output dir unwritable", ["logging.output_dir=/proc/megatron_rl_out"],
+         r"logging.output_dir='/proc/megatron_rl_out' cannot be written"),
+    Case("checkpoints exist without resume", [], r"already holds checkpoints of a run: pass resume=true",
+         lambda w, a: _fake_checkpoints(w, "exist", latest="iter_0000002", resume=False)),
+    Case("bad latest pointer", [], r"resume=true: .*latest names 'iter_garbage'.*set resume_step",
+         lambda w, a: _fake_checkpoints(w, "badptr", latest="iter_garbage")),
+    Case("resume_step not there", [], r"resume_step=7: no checkpoint iter_0000007 .* steps \[2\]",
+         lambda w, a: _fake_checkpoints(w, "rstep", latest="iter_0000002") + ["resume_step=7"]),
+    Case("resume with another model size", [], r"trained from another model than model.hf_path=.*hidden_size",
+         lambda w, a: _other_model_checkpoint(w, a)),
+    Case("resume with another learning rate", ["optim.lr=1e-3"], r"continues another LR schedule \(lr 0.005 "
+         r"\(checkpoint\) vs 0.001 \(now\)", lambda w, a: _other_model_checkpoint(w, a, same_model=True)),
+    Case("remote server port busy", [], r"rollout.urls\[0\]='http://127.0.0.1:\d+': no SGLang server answers",
+         lambda w, a: ["rollout.engine=remote", f"rollout.urls=[http://127.0.0.1:{_busy_port()}]"]),
+    Case("remote server not running", ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:9]"],
+         r"rollout.urls\[0\]='http://127.0.0.1:9': no SGLang server answers"),
+    # -- only a start can tell (tokenising)
+    Case("an overlong prompt with overlong_policy=error", ["data.overlong_policy=error", "data.max_prompt_tokens=4"],
+         r"prompt at index 0 of .* has 5 tokens > data.max_prompt_tokens=4", run=True),
+    Case("every prompt too long", ["data.max_prompt_tokens=2"], r"all \d+ prompts of .* exceed data.max_prompt_tokens=2",
+         run=True),
+]
+
+
+def _fake_checkpoints(work: str, name: str, latest: str, resume: bool = True) -> List[str]:
+    out = os.path.join(work, name)
+    root = os.path.join(out, "checkpoints")
+    os.makedirs(os.path.join(root, "iter_0000002"), exist_ok=True)
+    _write(os.path.join(root, "latest"), latest + "\n")
+    return [f"logging.output_dir={out}"] + (["resume=true"] if resume else [])
+
+
+def _other_model_checkpoint(work: str, a: Dict[str, str], same_model: bool = False) -> List[str]:
+    """A checkpoint directory whose common state records a model of another width (or the same model, and the
+    recipe's LR schedule)."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.config import load_run_config
+
+    out = os.path.join(work, "othermodel")
+    path = os.path.join(out, "checkpoints", "iter_0000002")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(a["student"], "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
+    schedule = dataclasses.asdict(load_run_config(RECIPE, overrides(a, out), check=False).optim.schedule)
+    trainer = {"step": 2, "model_shape": {"hidden_size": hidden if same_model else hidden * 2},
+               "schedule": {"config": schedule, "state": {}, "last_lr": None}}
+    torch.save({"trainer": trainer}, os.path.join(path, "common.pt"))
+    _write(os.path.join(out, "checkpoints", "latest"), "iter_0000002\n")
+    return [f"logging.output_dir={out}", "resume=true"]
+
+
+@dataclass
+class InputResult:
+    name: str
+    exit_code: Optional[int]
+    clear: bool  # exit 2, one line per problem, the expected field/file named
+    traceback: bool
+    data_lost: bool
+    message: str = ""
+
+
+def _sentinel_outputs(out: str) -> Dict[str, str]:
+    """A previous run's files in ``out``; returns their contents, to check they survive a failed start."""
+    os.makedirs(out, exist_ok=True)
+    files = {"config.yaml": "previous: run\n", "metrics.jsonl": json.dumps({"step": 1, "x": 1.0}) + "\n"}
+    for name, text in files.items():
+        _write(os.path.join(out, name), text)
+    return files
+
+
+def check_input(case: Case, work: str, a: Dict[str, str]) -> InputResult:
+    from megatron_rl import cli
+
+    case_dir = os.path.join(work, re.sub(r"\W+", "_", case.name))
+    os.makedirs(case_dir, exist_ok=True)
+    extra = case.setup(case_dir, a) if case.setup else []
+    out = os.path.join(case_dir, "out")
+    recipe = RECIPE
+    args = []
+    for item in overrides(a, out) + case.args + extra:
+        if item.startswith("__recipe__="):
+            recipe = item.split("=", 1)[1]
+        else:
+            args.append(item)
+    outputs = next((x.split("=", 1)[1] for x in args[::-1] if x.startswith("logging.output_dir=")), out)
+    before = _sentinel_outputs(outputs) if not os.path.isfile(outputs) and outputs.startswith(work) else {}
+    traceback, code, text = False, None, ""
+    if case.run:
+        proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", recipe, *args], cwd=REPO, env=env(),
+                              capture_output=True, text=True, timeout=600)
+        code, text = proc.returncode, proc.stderr
+        traceback = "Traceback (most recent call last)" in text
+    else:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                code = cli.main(["train", recipe, *args, "--dry-run"])
+        except SystemExit as e:  # argparse
+            code = e.code
+        except Exception as e:  # noqa: BLE001 - what a user would see as a traceback
+            traceback, text = True, f"{type(e).__name__}: {e}"
+        text = err.getvalue() + text
+    lines = [line for line in text.strip().splitlines() if "config error" in line or line.startswith("  - ")]
+    message = "\n".join(lines)
+    clear = (code == 2 and not traceback and bool(re.search(case.expect, message))
+             and all(not line.startswith(" ") or line.startswith("  - ") for line in message.splitlines()))
+    lost = any(open(os.path.join(outputs, k)).read() != v for k, v in before.items())
+    return InputResult(case.name, code, clear, traceback, lost, message if not clear else message[:300])
+
+
+def bad_inputs(work: str, a: Dict[str, str], names: Optional[List[str]] = None) -> List[InputResult]:
+    cases = [c for c in BAD_INPUTS if names is None or c.name in names]
+    return [check_input(c, work, a) for c in cases]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# faults
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    exit_code: Optional[int]
+    survived: bool  # a clear message, the expected exit code, and the next resume went on from a checkpoint
+    detail: str = ""
+    seconds_to_exit: Optional[float] = None
+
+
+@dataclass
+class ChainResult:
+    faults: List[FaultResult] = field(default_factory=list)
+    metrics_equal: bool = False
+    differences: List[str] = field(default_factory=list)
+    sockets: List[str] = field(default_factory=list)
+    non_loopback: List[str] = field(default_factory=list)
+    lingering_after_kill: List[str] = field(default_factory=list)
+
+
+def _victim(run: Run, pattern: str) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = [p for p, cmd in sorted(run.descendants().items()) if pattern in cmd]
+        if found:
+            return found[-1] if pattern == "TrainerWorker" else found[0]  # the last rank, the first engine
+        time.sleep(0.2)
+    raise RuntimeError(f"no {pattern} process under the driver")
+
+
+def _kill(run: Run, pid: int, sig: int) -> float:
+    os.kill(pid, sig)
+    start = time.monotonic()
+    run.wait()
+    return time.monotonic() - start
+
+
+def fault_chain(work: str, a: Dict[str, str], steps: int = 6, log: Callable[[str], None] = print) -> ChainResult:
+    """A reference run, then the same run through a chain of faults (see the module docstring)."""
+    res = ChainResult()
+    common = ["checkpoint.interval=2", "checkpoint.keep_last=0"]
+    ref_out, out = os.path.join(work, "reference"), os.path.join(work, "faulted")
+    for d in (ref_out, out):
+        shutil.rmtree(d, ignore_errors=True)
+
+    ref = Run(overrides(a, ref_out, *common, steps=steps), os.path.join(work, "reference.log"))
+    ref.wait_for(r"step 1/")
+    pids = list(ref.descendants()) + [ref.proc.pid]
+    res.sockets = listening_sockets(pids)
+    res.non_loopback = [s for s in res.sockets if not is_loopback(s)]
+    if ref.wait() != 0:
+        raise RuntimeError(f"the reference run failed: see {ref.log_path}")
+    log(f"reference run done; {len(res.sockets)} listening sockets, non-loopback: {res.non_loopback}")
+
+    def segment(name: str, *extra: str, env_: Optional[Dict[str, str]] = None) -> Run:
+        resume = ["resume=true"] if os.path.isdir(os.path.join(out, "checkpoints")) else []
+        return Run(overrides(a, out, *common, *resume, *extra, steps=steps), os.path.join(work, f"{name}.log"), env_)
+
+    def record(fault: str, run: Run, code: Optional[int], want_code, pattern: str, seconds=None) -> None:
+        text = run.text()
+        ok = (code in want_code) and bool(re.search(pattern, text, re.M))
+        ok = ok and "Traceback (most recent call last)" not in text.split("megatron-rl train:")[-1]
+        line = next((x for x in text.splitlines() if x.startswith("megatron-rl train:")), "")
+        res.faults.append(FaultResult(fault, code, ok, line[:400], seconds))
+        log(f"{fault}: exit {code}, {'ok' if ok else 'NOT OK'}: {line[:200]}")
+
+    # 1. kill -9 of a trainer rank (after the checkpoint of step 2)
+    run = segment("1_rank")
+    run.wait_for(r"step 2/")
+    secs = _kill(run, _victim(run, "TrainerWorker"), signal.SIGKILL)
+    record("kill -9 trainer rank", run, run.proc.returncode, (1,),
+           r"failed: trainer rank \d \(pid \d+\) died during \w+", secs)
+
+    # 2. SIGTERM with checkpoint.on_signal: the step in flight finishes and is checkpointed (3: off the interval)
+    run = segment("2_sigterm_checkpoint", "checkpoint.on_signal=true")
+    run.wait_for(r"resumed from .* at step 2")
+    secs = _kill(run, run.proc.pid, signal.SIGTERM)
+    record("SIGTERM, checkpoint.on_signal=true", run, run.proc.returncode, (128 + signal.SIGTERM,),
+           r"stopped by SIGTERM; checkpointed step 3 first", secs)
+
+    # 3. kill -9 of the driver between committing checkpoint 4 and writing its metrics line; its Ray must go too
+    run = segment("3_driver", env_={"MEGATRON_RL_FAULT": "after_checkpoint:4"})
+    run.wait_for(r"resumed from .* at step 3")
+    tree = run.descendants()
+    code = run.wait()
+    tree.update(descendants(run.proc.pid))
+    time.sleep(10)  # the guard acts at once; Ray's agents would otherwise stay ~90 s
+    res.lingering_after_kill = [f"{p} {tree.get(p, '')[:60]}" for p in alive(tree)]
+    record("kill -9 driver mid-commit", run, code, (-signal.SIGKILL,), r"step 4: checkpoint")
+
+    # 4. plain SIGTERM (stops at once; resume from the latest checkpoint, 4)
+    run = segment("4_sigterm")
+    run.wait_for(r"step 5/")
+    secs = _kill(run, run.proc.pid, signal.SIGTERM)
+    record("SIGTERM", run, run.proc.returncode, (128 + signal.SIGTERM,),
+           r"stopped by SIGTERM; resume=true continues from the latest checkpoint", secs)
+    replayed = "step 4's metrics line was lost with the interrupted run" in run.text()
+    res.faults[-2].survived &= replayed  # the mid-commit kill lost no metrics line
+
+    # 5. the newest checkpoint damaged: the resume falls back to the one before (3), with a warning
+    ckpt = os.path.join(out, "checkpoints", "iter_0000004")
+    shard = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))[0]
+    _truncate(os.path.join(ckpt, shard))
+    run = segment("5_damaged_then_engine")
+    fell_back = run.wait_for(r"iter_0000004 is damaged.*resuming from iter_0000003")
+    # ... and in the same run: kill -9 of the rollout engine
+    run.wait_for(r"step 4/")
+    secs = _kill(run, _victim(run, "EngineWorker"), signal.SIGKILL)
+    code = run.proc.returncode
+    res.faults.append(FaultResult("damaged newest checkpoint", None, fell_back, "fell back to iter_0000003"))
+    record("kill -9 rollout engine", run, code, (0, 1), r"failed: |done: ", secs)
+
+    # 6. finish
+    run = segment("6_finish")
+    code = run.wait()
+    if code != 0:
+        raise RuntimeError(f"the last segment failed (exit {code}): see {run.log_path}")
+    res.differences = metric_differences(metrics(ref_out), metrics(out))
+    res.metrics_equal = not res.differences
+    log(f"metrics equal to the reference: {res.metrics_equal} {res.differences[:5]}")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inputs", action="store_true", help="only the bad inputs")
+    ap.add_argument("--faults", action="store_true", help="only the fault chain")
+    ap.add_argument("--work", default="runs/chaos", help="working directory (deleted first)")
+    args = ap.parse_args()
+    both = not (args.inputs or args.faults)
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    a = assets(os.path.join(args.work, "assets"))
+    report: Dict[str, object] = {}
+    if both or args.inputs:
+        results = bad_inputs(os.path.join(args.work, "inputs"), a)
+        print("| bad input | exit | clear one-line error | traceback | data lost |\n|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r.name} | {r.exit_code} | {'yes' if r.clear else 'NO'} | {'YES' if r.traceback else 'no'} | "
+                  f"{'YES' if r.data_lost else 'no'} |")
+        counts = dict(tried=len(results), clear=sum(r.clear for r in results),
+                      tracebacks=sum(r.traceback for r in results), data_lost=sum(r.data_lost for r in results))
+        print(f"\nbad inputs tried / clear one-line errors / tracebacks / data lost: {counts['tried']} / "
+              f"{counts['clear']} / {counts['tracebacks']} / {counts['data_lost']}\n")
+        report["inputs"] = dict(counts=counts, cases=[asdict(r) for r in results])
+    if both or args.faults:
+        chain = fault_chain(os.path.join(args.work, "faults"), a)
+        print("| fault | exit | survived | seconds to exit | message |\n|---|---|---|---|---|")
+        for f in chain.faults:
+            secs = "" if f.seconds_to_exit is None else f"{f.seconds_to_exit:.1f}"
+            print(f"| {f.fault} | {f.exit_code} | {'yes' if f.survived else 'NO'} | {secs} | {f.detail[:120]} |")
+        survived = sum(f.survived for f in chain.faults)
+        print(f"\nfaults tried / survived / metrics equal after resume: {len(chain.faults)} / {survived} / "
+              f"{'yes' if chain.metrics_equal else 'NO'}; listening sockets {len(chain.sockets)}, non-loopback "
+              f"{chain.non_loopback}; processes alive 10 s after the driver's kill -9: {chain.lingering_after_kill}")
+        report["faults"] = asdict(chain)
+    os.makedirs(os.path.join(REPO, "bench_results"), exist_ok=True)
+    with open(os.path.join(REPO, "bench_results", "chaos.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
