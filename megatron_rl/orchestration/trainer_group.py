@@ -2,13 +2,16 @@
 data-parallel shard of the batch, and comes back as one result.
 
 Megatron's collectives need every rank inside the same call, so a method is always invoked on all
-actors before any result is awaited. Per-sequence results (forward log-probs) come from one rank per
+actors before any result is awaited -- and submitted under one lock: the engine-recovery thread
+(``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
+actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
 data-parallel replica and are put back together in batch order (``TrainBatch.split`` is contiguous).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -24,12 +27,23 @@ class TrainerGroup:
         self.workers = workers
         self.infos: List[Dict[str, int]] = []
         self.progress = progress  # draws the bars the ranks report while a call runs
+        self._submit_lock = threading.Lock()
+        # the label of the weights the trainer holds once every submitted call has run: the last synced
+        # version, or the step of the last submitted train step (what a restarted engine is given)
+        self.weights_version = "default"
 
-    def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
+    def _submit(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
+        return [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
+                for i, w in enumerate(self.workers)]
+
+    def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None, version: Any = None) -> List[Any]:
+        """``method`` on every rank; ``version``: the label of the weights the ranks hold after it."""
         import ray
 
-        refs = [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
-                for i, w in enumerate(self.workers)]
+        with self._submit_lock:
+            refs = self._submit(method, *args, per_rank=per_rank)
+            if version is not None:
+                self.weights_version = str(version)
         return ray.get(refs) if self.progress is None else self.progress.wait(refs)
 
     def _rank0(self, method: str, *args: Any) -> Any:
@@ -68,16 +82,27 @@ class TrainerGroup:
         shards = self._shards(batch)
         return torch.cat(self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards])))
 
-    def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
+    def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None,
+                   version: Any = None) -> StepResult:
+        """One optimizer step; ``version``: the label of the weights it produces (the driver's step)."""
         shards = self._shards(batch)
-        return self._call("train_step", per_rank=[(s, objective) for s in shards])[0]
+        return self._call("train_step", per_rank=[(s, objective) for s in shards], version=version)[0]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float) -> None:
         self._call("connect_engines", urls, transport, policy, timeout_s)
 
     def sync_weights(self, version: Any):
-        return self._rank0("sync_weights", version)
+        return self._call("sync_weights", version, version=version)[0]
+
+    def sync_engine(self, index: int, url: str):
+        """The trainer's current weights to engine ``index`` alone, restarted at ``url``, then the probe check
+        (engine recovery). Returns ``SyncStats`` (its ``version``: ``weights_version`` when submitted)."""
+        import ray
+
+        with self._submit_lock:
+            refs = self._submit("sync_engine", index, url, self.weights_version)
+        return ray.get(refs)[0]  # no bars: the main thread may be drawing its own
 
     def check_weights(self):
         return self._rank0("check_weights")

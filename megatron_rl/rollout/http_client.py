@@ -128,6 +128,11 @@ class SGLangClient:
         self._children: Dict[str, List[str]] = {}  # in-flight request rid -> the rids of its n samples
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sglang-client")
 
+    def with_url(self, url: str) -> "SGLangClient":
+        """A client with this one's settings for another server (a restarted engine's new address)."""
+        return SGLangClient(url, self.timeout_s, self.retry, self.restart, self.is_alive, self.expert_layout,
+                            self.logprob_mode)
+
     # ---- transport ---------------------------------------------------------------------------------
 
     def _once(self, method: str, path: str, body: Any, timeout: float) -> Tuple[int, Any]:

@@ -1,0 +1,216 @@
+"""Engine recovery with real embedded servers in child processes (``EngineWorker`` without Ray): the balancer
+re-sends the requests of a SIGKILLed or SIGSTOPped (hung) server, the monitor restarts it on a fresh port,
+gives it the "trainer's" weights and re-admits it after the probe check; seeded answers equal an
+uninterrupted server's; holds defer restarts; a server that keeps dying ends in one clear error."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_rl.config import RecoveryConfig
+from megatron_rl.orchestration.engine_health import EngineMonitor, EngineRecoveryError, kill_plan
+from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
+from megatron_rl.rollout.balancer import RemoteEngine
+from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
+from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.weight_sync import compare_logprobs
+
+from rollout_models import other_weights, tiny_qwen3
+
+FAST = RetryPolicy(max_attempts=2, backoff_s=0.05)
+REQUESTS = [GenerateRequest((5 + i, 6, 7), SamplingParams(max_new_tokens=6, seed=100 + i, n=2, ignore_eos=True))
+            for i in range(8)]
+PROBE = list(range(1, 40))
+QUICK = dict(poll_s=0.2, stall_s=1.0, health_timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    tiny_qwen3().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The "trainer's" weights (not the checkpoint the servers start from) and their reference answers."""
+    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    weights = other_weights(tiny_qwen3, seed=1)
+    model = tiny_qwen3(seed=1)
+    engine = EmbeddedEngine(model, EmbeddedEngineConfig(seeds="deterministic"))
+    client_like = []  # the client sends each of a request's n samples as its own seeded one-sample request
+    from megatron_rl.rollout.sampling import derive_seed
+    import dataclasses
+
+    for r in REQUESTS:
+        client_like.append([engine.generate([GenerateRequest(r.prompt_ids, dataclasses.replace(
+            r.sampling, n=1, seed=derive_seed(r.sampling.seed, j)))])[0] for j in range(r.sampling.n)])
+    probe_lp = engine.prompt_logprobs(PROBE)[0]
+    return weights, client_like, probe_lp
+
+
+class Trainer:
+    """Stands in for TrainerGroup.sync_engine: pushes the weights to one server and runs the probe check."""
+
+    def __init__(self, trained):
+        self.weights, _, self.probe_lp = trained
+        self.synced = []
+
+    def __call__(self, index: int, url: str) -> str:
+        engine = RemoteEngine([SGLangClient(url, retry=FAST)])
+        try:
+            engine.update_weights([self.weights], version="v1")
+            check = compare_logprobs(self.probe_lp, engine.prompt_logprobs(PROBE)[0].float(), 1e-4,
+                                     torch.tensor(PROBE))
+        finally:
+            engine.shutdown()
+        self.synced.append((index, url))
+        return f"probe max |dlogp| {check.max_abs_diff:.1e}"
+
+
+def _workers(model_dir, tmp_path, n):
+    workers = [EngineWorker(EngineSpec(kind="embedded", model_path=model_dir, index=i, log_dir=str(tmp_path)))
+               for i in range(n)]
+    urls = [w.start() for w in workers]
+    return workers, urls
+
+
+def _generate_in_background(engine):
+    out = {}
+
+    def run():
+        try:
+            out["samples"] = engine.generate(REQUESTS)
+        except Exception as e:  # noqa: BLE001
+            out["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def _wait_for(cond, timeout=120.0, what=""):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _assert_reference(samples, trained):
+    expected = [s for group in trained[1] for s in group]
+    assert len(samples) == len(expected) == sum(r.sampling.n for r in REQUESTS)
+    for got, want in zip(samples, expected):
+        assert got.response_ids == want.response_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+        assert got.weight_version == "v1"
+
+
+def test_killed_and_hung_servers_are_restarted_resynced_and_their_requests_resent(model_dir, tmp_path, trained):
+    workers, urls = _workers(model_dir, tmp_path, 2)
+    trainer = Trainer(trained)
+    engine = RemoteEngine([SGLangClient(u, retry=FAST) for u in urls])
+    monitor = None
+    try:
+        engine.update_weights([trained[0]], version="v1")
+        monitor = EngineMonitor(engine, workers, trainer, RecoveryConfig(max_restarts=1, **QUICK)).start()
+
+        # 1. kill -9 server 0 while requests wait on it (paused in place: provably in flight)
+        engine.clients[0].pause_generation(mode="in_place")
+        thread, out = _generate_in_background(engine)
+        _wait_for(lambda: engine.outstanding[0] >= 2, what="requests on server 0")
+        workers[0].kill()
+        thread.join(180)
+        assert "error" not in out, out.get("error")
+        _assert_reference(out["samples"], trained)
+        assert engine.resent[0] >= 2 and engine.resent[1] == 0
+        _wait_for(lambda: monitor.restarts == 1 and all(engine.available), what="server 0 back")
+        assert trainer.synced == [(0, engine.clients[0].url)] and engine.clients[0].url != urls[0]
+        assert workers[0].exit_status() is None and engine.clients[0].get_weight_version() == "v1"
+
+        # 2. server 1 hangs (SIGSTOP) with requests in flight: no answer for stall_s -> /health times out
+        engine.clients[1].pause_generation(mode="in_place")
+        thread, out = _generate_in_background(engine)
+        _wait_for(lambda: engine.outstanding[1] >= 2, what="requests on server 1")
+        os.kill(workers[1].process.proc.pid, signal.SIGSTOP)
+        thread.join(180)
+        assert "error" not in out, out.get("error")
+        _assert_reference(out["samples"], trained)
+        _wait_for(lambda: monitor.restarts == 2 and all(engine.available), what="server 1 back")
+        assert [i for i, _ in trainer.synced] == [0, 1] and engine.clients[1].url != urls[1]
+        assert monitor.metrics()["engine/restarts"] == 2.0 and monitor.metrics()["engine/out_seconds"] > 0
+
+        # 3. server 0 dies again: max_restarts=1 within the window -> one error naming it, with its log tail
+        workers[0].kill()
+        _wait_for(lambda: monitor.error is not None, what="the monitor to give up")
+        message = str(monitor.error)
+        assert "engine 0" in message and "exited with code -9 (SIGKILL)" in message
+        assert "rollout.recovery.max_restarts=1" in message and "embedded_0.log" in message
+        assert "embedded server listening" in message  # the log tail itself
+        with pytest.raises(EngineRecoveryError, match="engine 0"):
+            monitor.raise_if_failed()
+        assert engine.generate(REQUESTS[:2])  # server 1 still serves
+    finally:
+        if monitor is not None:
+            monitor.stop()
+        engine.shutdown()
+        for w in workers:
+            w.stop()
+
+
+def test_single_server_requests_wait_for_the_restart_which_waits_for_the_hold(model_dir, tmp_path, trained):
+    workers, urls = _workers(model_dir, tmp_path, 1)
+    trainer = Trainer(trained)
+    engine = RemoteEngine([SGLangClient(urls[0], retry=FAST)])
+    monitor = None
+    try:
+        engine.update_weights([trained[0]], version="v1")
+        monitor = EngineMonitor(engine, workers, trainer, RecoveryConfig(max_restarts=1, **QUICK)).start()
+
+        # the only server dies with requests in flight during a hold (the driver released its memory, say):
+        # the exit is seen at once, the restart waits for the hold's end, the requests wait for the restart
+        engine.clients[0].pause_generation(mode="in_place")
+        thread, out = _generate_in_background(engine)
+        _wait_for(lambda: engine.outstanding[0] >= 2, what="requests in flight")
+        hold = monitor.hold("test")
+        workers[0].kill()
+        _wait_for(lambda: not engine.available[0], what="the exit to be seen")
+        time.sleep(1.0)
+        assert monitor.restarts == 0 and thread.is_alive()
+        hold.release()
+        thread.join(180)
+        assert "error" not in out, out.get("error")
+        _assert_reference(out["samples"], trained)
+        assert monitor.restarts == 1 and engine.resent[0] >= 2 and trainer.synced == [(0, engine.clients[0].url)]
+
+        # it dies again past max_restarts: the waiting requests raise the monitor's error
+        engine.clients[0].pause_generation(mode="in_place")
+        thread, out = _generate_in_background(engine)
+        _wait_for(lambda: engine.outstanding[0] >= 2, what="requests in flight")
+        workers[0].kill()
+        thread.join(180)
+        assert isinstance(out.get("error"), EngineRecoveryError), out
+        assert "engine 0" in str(out["error"]) and "max_restarts=1" in str(out["error"])
+    finally:
+        if monitor is not None:
+            monitor.stop()
+        engine.shutdown()
+        for w in workers:
+            w.stop()
+
+
+def test_kill_plan_parses_and_rejects():
+    assert kill_plan("2:0, 2:1,3:0") == {2: [0, 1], 3: [0]} and kill_plan(None) == {} and kill_plan("") == {}
+    with pytest.raises(ValueError, match="MEGATRON_RL_TEST_KILL_ENGINE='2'"):
+        kill_plan("2")
+
+
+def test_recovery_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="rollout.recovery.poll_s=0"):
+        RecoveryConfig(poll_s=0)
+    with pytest.raises(ValueError, match="rollout.recovery.max_restarts=-1"):
+        RecoveryConfig(max_restarts=-1)
