@@ -7,8 +7,9 @@ Two ways to host one embedded engine in a Ray actor (CPU, one thread each, a ran
   in-actor   the former EngineWorker: EmbeddedEngine + EmbeddedServer threads inside the actor's process
   child      today's EngineWorker: ``python -m megatron_rl.rollout.server`` as a ManagedServer child
 
-Columns: "start s" = actor created -> URL answered (interpreter, imports, model load); "RSS MiB" = actor
-plus its children after start; "rollout s" = ``--requests`` seeded requests of ``n=8`` samples through the
+Columns: "start s" = actor created -> URL answered (interpreter, imports, model load); "PSS MiB" = the
+proportional set size (shared pages split between the processes that map them) of the actor and of its
+child server after start, and their sum; "rollout s" = ``--requests`` seeded requests of ``n=8`` samples through the
 driver's RemoteEngine over HTTP (median of ``--repeats``; the same tokens either way); "restart s" =
 ``EngineWorker.restart()`` (SIGKILL, launch on a fresh port, ``/health``; child only).
 
@@ -70,11 +71,13 @@ class InActorEngine:
         self.server.stop()
 
 
-def _rss_mib(pid: int) -> float:
+def _pss_mib(pid: int) -> tuple:
+    """(the process's PSS, its children's) in MiB."""
     import psutil
 
     proc = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+    children = sum(p.memory_full_info().pss for p in proc.children(recursive=True))
+    return proc.memory_full_info().pss / 2**20, children / 2**20
 
 
 def _rollout_seconds(url: str, requests: int, repeats: int) -> float:
@@ -110,7 +113,7 @@ def bench(kind: str, model: str, log_dir: str, args) -> dict:
     url = ray.get(actor.start.remote())
     row = {"kind": kind, "start_s": time.perf_counter() - t}
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-    row["rss_mib"] = _rss_mib(pid)
+    row["actor_pss_mib"], row["child_pss_mib"] = _pss_mib(pid)
     row["rollout_s"] = _rollout_seconds(url, args.requests, args.repeats)
     if kind == "child":
         restarts = []
@@ -125,10 +128,12 @@ def bench(kind: str, model: str, log_dir: str, args) -> dict:
 
 
 def _table(rows) -> str:
-    out = ["| engine host | start s | RSS MiB | rollout s | restart s |", "|---|---:|---:|---:|---:|"]
+    out = ["| engine host | start s | PSS MiB actor + child = total | rollout s | restart s |",
+           "|---|---:|---:|---:|---:|"]
     for r in rows:
         restart = f"{r['restart_s']:.1f}" if "restart_s" in r else "-"
-        out.append(f"| {r['kind']} | {r['start_s']:.1f} | {r['rss_mib']:.0f} | {r['rollout_s']:.2f} | {restart} |")
+        pss = f"{r['actor_pss_mib']:.0f} + {r['child_pss_mib']:.0f} = {r['actor_pss_mib'] + r['child_pss_mib']:.0f}"
+        out.append(f"| {r['kind']} | {r['start_s']:.1f} | {pss} | {r['rollout_s']:.2f} | {restart} |")
     return "\n".join(out)
 
 

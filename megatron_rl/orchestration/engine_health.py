@@ -239,12 +239,13 @@ class EngineMonitor:
                         self._mark_down(i, reason)
                 if self._down[i] is not None:
                     self._recover(i)
-            except EngineRecoveryError as e:
-                self._give_up(e)
-                return
             except Exception as e:  # noqa: BLE001 - a watcher must not die silently
-                log.exception("engine %d: health check failed", i)
-                self._give_up(EngineRecoveryError(f"engine {i}: the health monitor failed: {type(e).__name__}: {e}"))
+                if self._stopped:
+                    return  # the run is tearing the engines down
+                if not isinstance(e, EngineRecoveryError):
+                    log.exception("engine %d: health check failed", i)
+                    e = EngineRecoveryError(f"engine {i}: the health monitor failed: {type(e).__name__}: {e}")
+                self._give_up(e)
                 return
 
     def _diagnose(self, i: int, probe: bool) -> Optional[str]:
@@ -266,9 +267,12 @@ class EngineMonitor:
             return None
         client = self.engine.clients[i]
         if client.health(timeout_s=self.config.health_timeout_s):
-            if not self.engine.available[i]:
-                log.warning("engine %d (%s): %s, but it is alive and healthy: back in rotation", i, client.url, why)
-            self.engine.set_available(i, True)  # also restarts its stall clock
+            with self._cv:
+                if self._down[i] is not None:
+                    return None  # its watcher is restarting it meanwhile
+                if not self.engine.available[i]:
+                    log.warning("engine %d (%s): %s, but it is alive and healthy: back in rotation", i, client.url, why)
+                self.engine.set_available(i, True)  # also restarts its stall clock
             return None
         status = self.handles[i].exit_status()  # it may have died while we asked
         return (f"its server process {status}" if status is not None else

@@ -214,3 +214,44 @@ def test_recovery_config_rejects_bad_values():
         RecoveryConfig(poll_s=0)
     with pytest.raises(ValueError, match="rollout.recovery.max_restarts=-1"):
         RecoveryConfig(max_restarts=-1)
+
+
+def test_trainer_group_submits_each_collective_call_to_every_rank_in_one_order():
+    """The recovery thread's sync_engine and the driver's calls run concurrently: every rank's actor must see the
+    calls in the same order (a collective entered in different orders deadlocks)."""
+    import sys
+
+    ray = pytest.importorskip("ray")
+    from megatron_rl.orchestration.trainer_group import TrainerGroup
+
+    class Rank:
+        def __init__(self):
+            self.seen = []
+
+        def record(self, tag):
+            self.seen.append(tag)
+
+        def sync_engine(self, index, url, version):
+            self.seen.append(f"sync{index}@{version}")
+
+        def log(self):
+            return self.seen
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    interval = sys.getswitchinterval()
+    try:
+        ranks = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(4)]
+        group = TrainerGroup(ranks)
+        sys.setswitchinterval(1e-6)  # thread switches inside the submission loops, if nothing prevents them
+        threads = [threading.Thread(target=lambda: [group._call("record", f"a{k}") for k in range(150)]),
+                   threading.Thread(target=lambda: [group.sync_engine(k % 2, "u") for k in range(150)])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+        logs = ray.get([r.log.remote() for r in ranks])
+        assert len(logs[0]) == 300 and all(log == logs[0] for log in logs)
+    finally:
+        sys.setswitchinterval(interval)
+        ray.shutdown()
