@@ -10,10 +10,11 @@ Two ways to host one embedded engine in a Ray actor (CPU, one thread each, a ran
 Columns: "start s" = actor created -> URL answered (interpreter, imports, model load); "PSS MiB" = the
 proportional set size (shared pages split between the processes that map them) of the actor and of its
 child server after start, and their sum; "rollout s" = ``--requests`` seeded requests of ``n=8`` samples through the
-driver's RemoteEngine over HTTP (median of ``--repeats``; the same tokens either way); "restart s" =
+driver's RemoteEngine over HTTP (median of ``--repeats``, alternating between the two, both up at once;
+the same tokens either way); "restart s" =
 ``EngineWorker.restart()`` (SIGKILL, launch on a fresh port, ``/health``; child only).
 
-  python tools/bench_engine_recovery.py            # ~1-2 min on 2 cores
+  python tools/bench_engine_recovery.py            # ~2-3 min on 2 cores
   python tools/bench_engine_recovery.py --hidden 64 --repeats 1
 Prints a markdown table; writes JSON to --out (default bench_results/bench_engine_recovery.json).
 """
@@ -80,7 +81,8 @@ def _pss_mib(pid: int) -> tuple:
     return proc.memory_full_info().pss / 2**20, children / 2**20
 
 
-def _rollout_seconds(url: str, requests: int, repeats: int) -> float:
+def _rollout(url: str, requests: int):
+    """A function timing one rollout of ``requests`` seeded requests (n=8, 16 tokens) against ``url``."""
     from megatron_rl.rollout.balancer import RemoteEngine
     from megatron_rl.rollout.http_client import SGLangClient
     from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
@@ -88,43 +90,55 @@ def _rollout_seconds(url: str, requests: int, repeats: int) -> float:
     reqs = [GenerateRequest((10 + i % 50, 20, 30, 40), SamplingParams(max_new_tokens=16, n=8, seed=i, ignore_eos=True))
             for i in range(requests)]
     engine = RemoteEngine([SGLangClient(url)])
-    times = []
-    try:
-        for _ in range(repeats + 1):  # the first one warms up
-            t = time.perf_counter()
-            engine.generate(reqs)
-            times.append(time.perf_counter() - t)
-    finally:
-        engine.shutdown()
-    return statistics.median(times[1:])
+
+    def run() -> float:
+        t = time.perf_counter()
+        engine.generate(reqs)
+        return time.perf_counter() - t
+
+    return run, engine
 
 
-def bench(kind: str, model: str, log_dir: str, args) -> dict:
+def bench(model: str, log_dir: str, args) -> list:
+    """Both hosts up at once; rollouts alternate between them (load drift hits both alike)."""
     import ray
 
     from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
 
-    t = time.perf_counter()
-    if kind == "in-actor":
-        actor = ray.remote(InActorEngine).options(num_cpus=1).remote(model)
-    else:
-        actor = ray.remote(EngineWorker).options(num_cpus=1).remote(
-            EngineSpec(kind="embedded", model_path=model, log_dir=log_dir))
-    url = ray.get(actor.start.remote())
-    row = {"kind": kind, "start_s": time.perf_counter() - t}
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-    row["actor_pss_mib"], row["child_pss_mib"] = _pss_mib(pid)
-    row["rollout_s"] = _rollout_seconds(url, args.requests, args.repeats)
-    if kind == "child":
-        restarts = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            url = ray.get(actor.restart.remote())
-            restarts.append(time.perf_counter() - t)
-        row["restart_s"] = statistics.median(restarts)
-    ray.get(actor.stop.remote())
-    ray.kill(actor)
-    return row
+    rows, actors, runs = [], [], []
+    for kind in ("in-actor", "child"):
+        t = time.perf_counter()
+        if kind == "in-actor":
+            actor = ray.remote(InActorEngine).options(num_cpus=1).remote(model)
+        else:
+            actor = ray.remote(EngineWorker).options(num_cpus=1).remote(
+                EngineSpec(kind="embedded", model_path=model, log_dir=log_dir))
+        url = ray.get(actor.start.remote())
+        row = {"kind": kind, "start_s": time.perf_counter() - t}
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+        row["actor_pss_mib"], row["child_pss_mib"] = _pss_mib(pid)
+        rows.append(row)
+        actors.append(actor)
+        runs.append(_rollout(url, args.requests))
+    times = [[], []]
+    for r in range(args.repeats + 1):  # the first round warms up; who goes first alternates
+        for k in ((0, 1) if r % 2 else (1, 0)):
+            seconds = runs[k][0]()
+            if r:
+                times[k].append(seconds)
+    for row, t, (_, engine) in zip(rows, times, runs):
+        row["rollout_s"], row["rollout_all_s"] = statistics.median(t), t
+        engine.shutdown()
+    restarts = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        ray.get(actors[1].restart.remote())
+        restarts.append(time.perf_counter() - t)
+    rows[1]["restart_s"] = statistics.median(restarts)
+    for actor in actors:
+        ray.get(actor.stop.remote())
+        ray.kill(actor)
+    return rows
 
 
 def _table(rows) -> str:
@@ -152,7 +166,7 @@ def main() -> None:
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning",
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         try:
-            rows = [bench(kind, model, tmp, args) for kind in ("in-actor", "child")]
+            rows = bench(model, tmp, args)
         finally:
             ray.shutdown()
     print(_table(rows))

@@ -46,7 +46,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from megatron_rl.config import RecoveryConfig
 from megatron_rl.rollout.balancer import RemoteEngine
@@ -354,15 +354,21 @@ class EngineMonitor:
 KILL_ENV = "MEGATRON_RL_TEST_KILL_ENGINE"
 
 
-def kill_plan(value: Optional[str]) -> Dict[int, List[int]]:
-    """``"STEP:ENGINE[,STEP:ENGINE...]"`` (the ``MEGATRON_RL_TEST_KILL_ENGINE`` variable) -> {step: [engines]}."""
-    plan: Dict[int, List[int]] = {}
+def kill_plan(value: Optional[str]) -> Dict[Tuple[int, str], List[int]]:
+    """The ``MEGATRON_RL_TEST_KILL_ENGINE`` variable, ``STEP:ENGINE[:PHASE][,...]``, -> {(step, phase): [engines]}:
+    SIGKILL engine ENGINE's server during step STEP's ``rollout`` (the default; once a request is in flight on it)
+    or right before its weight ``sync``."""
+    plan: Dict[Tuple[int, str], List[int]] = {}
     for item in filter(None, (value or "").replace(" ", "").split(",")):
+        parts = item.split(":")
         try:
-            step, engine = (int(x) for x in item.split(":"))
-        except ValueError:
-            raise ValueError(f"{KILL_ENV}={value!r}: expected STEP:ENGINE[,STEP:ENGINE...], e.g. 2:0") from None
-        plan.setdefault(step, []).append(engine)
+            step, engine = int(parts[0]), int(parts[1])
+            phase = parts[2] if len(parts) == 3 else "rollout" if len(parts) == 2 else ""
+        except (ValueError, IndexError):
+            phase = ""
+        if phase not in ("rollout", "sync"):
+            raise ValueError(f"{KILL_ENV}={value!r}: expected STEP:ENGINE[:rollout|sync][,...], e.g. 2:0 or 1:0:sync")
+        plan.setdefault((step, phase), []).append(engine)
     return plan
 
 

@@ -40,7 +40,7 @@ class EngineSpec:
     threads: int = 1
     routed_experts: bool = False
     dtype: str = "float32"  # embedded engine weights
-    log_dir: str = "."
+    log_dir: Optional[str] = None  # None: a fresh temporary directory
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     launch_timeout_s: float = 300.0  # embedded: interpreter + model load (SGLang: sglang.health_timeout_s)
 
@@ -70,6 +70,10 @@ class EngineWorker:
 
     @property
     def log_path(self) -> str:
+        if self.spec.log_dir is None:
+            import tempfile
+
+            self.spec.log_dir = tempfile.mkdtemp(prefix="megatron_rl_engine_")
         return os.path.join(self.spec.log_dir, f"{self.spec.kind}_{self.spec.index}.log")
 
     def _launch_embedded(self):

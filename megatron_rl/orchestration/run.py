@@ -246,7 +246,7 @@ class Run:
             self.recovery.raise_if_failed()
             from megatron_rl.orchestration.engine_health import kill_when_busy
 
-            for i in self._kill_plan.get(step, []):  # fault injection (tests): a crash mid-rollout
+            for i in self._kill_plan.get((step, "rollout"), []):  # fault injection (tests): a crash mid-rollout
                 kill_when_busy(self.engine, i, self.recovery.handles[i])
         return self.rollouts.collect(step, filter_groups=not self.is_warmup(step))
 
@@ -360,6 +360,9 @@ class Run:
             self.recovery.wait_all_up()
             try:
                 with self.recovery.hold("weight sync"):
+                    for i in self._kill_plan.pop((version, "sync"), []):  # fault injection (tests)
+                        logger.warning("fault injection: SIGKILL to engine %d's server before weight sync v%s", i, version)
+                        self.recovery.handles[i].kill()
                     return self.trainers.sync_weights(version=version)
             except Exception as e:  # noqa: BLE001 - re-raised unless an engine failure explains it
                 if isinstance(e, EngineRecoveryError) or attempt > self.cfg.rollout.recovery.max_restarts \

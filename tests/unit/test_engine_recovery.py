@@ -204,9 +204,11 @@ def test_single_server_requests_wait_for_the_restart_which_waits_for_the_hold(mo
 
 
 def test_kill_plan_parses_and_rejects():
-    assert kill_plan("2:0, 2:1,3:0") == {2: [0, 1], 3: [0]} and kill_plan(None) == {} and kill_plan("") == {}
-    with pytest.raises(ValueError, match="MEGATRON_RL_TEST_KILL_ENGINE='2'"):
-        kill_plan("2")
+    assert kill_plan("2:0, 2:1,3:0,1:1:sync") == {(2, "rollout"): [0, 1], (3, "rollout"): [0], (1, "sync"): [1]}
+    assert kill_plan(None) == {} and kill_plan("") == {}
+    for bad in ("2", "2:x", "2:0:train", "1:2:3:4"):
+        with pytest.raises(ValueError, match=f"MEGATRON_RL_TEST_KILL_ENGINE='{bad}'"):
+            kill_plan(bad)
 
 
 def test_recovery_config_rejects_bad_values():
