@@ -32,18 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def make_checkpoint(path: str, hidden: int) -> str:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    heads = max(1, hidden // 64)
-    cfg = Qwen3Config(vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=4,
-                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
-                      max_position_embeddings=2048, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(cfg).float().save_pretrained(path)
-    return path
+from bench_weight_sync import make_checkpoint  # noqa: E402  (this directory: the same random Qwen3)
 
 
 class InActorEngine:

@@ -59,7 +59,7 @@ class EngineRecoveryError(RuntimeError):
 
 
 class EngineHandle(Protocol):
-    """What the monitor needs from an engine's supervisor (``ActorEngine``; a ``ManagedServer`` in tests)."""
+    """What the monitor needs from an engine's supervisor: ``ActorEngine`` (an ``EngineWorker`` itself in tests)."""
 
     def exit_status(self) -> Optional[str]:
         """None while the server process runs, else how it ended."""

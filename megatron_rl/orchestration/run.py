@@ -368,8 +368,9 @@ class Run:
                 if isinstance(e, EngineRecoveryError) or attempt > self.cfg.rollout.recovery.max_restarts \
                         or not self.recovery.recover_all():
                     raise
+                cause = getattr(e, "cause", None) or e  # a Ray task error: the trainer's exception
                 logger.warning("weight sync v%s failed with an engine down (%s: %s); engines recovered, syncing again",
-                               version, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                               version, type(cause).__name__, (str(cause).strip().splitlines() or [""])[-1])
 
     def evaluate(self, step: int) -> Dict[str, float]:
         e = self.cfg.eval

@@ -38,13 +38,27 @@ class TrainerGroup:
 
     def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None, version: Any = None) -> List[Any]:
         """``method`` on every rank; ``version``: the label of the weights the ranks hold after it."""
-        import ray
-
         with self._submit_lock:
             refs = self._submit(method, *args, per_rank=per_rank)
             if version is not None:
                 self.weights_version = str(version)
-        return ray.get(refs) if self.progress is None else self.progress.wait(refs)
+        return self._get(refs)
+
+    def _get(self, refs: List[Any], bars: bool = True) -> List[Any]:
+        import ray
+
+        try:
+            return ray.get(refs) if self.progress is None or not bars else self.progress.wait(refs)
+        except Exception:
+            # the first failure is raised; fetch the other ranks' (agreed) errors too, which Ray would otherwise log
+            # as "unhandled" -- a failed call can be recovered from (engine recovery retries a weight sync)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=60)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
 
     def _rank0(self, method: str, *args: Any) -> Any:
         return self._call(method, *args)[0]
@@ -98,11 +112,9 @@ class TrainerGroup:
     def sync_engine(self, index: int, url: str):
         """The trainer's current weights to engine ``index`` alone, restarted at ``url``, then the probe check
         (engine recovery). Returns ``SyncStats`` (its ``version``: ``weights_version`` when submitted)."""
-        import ray
-
         with self._submit_lock:
             refs = self._submit("sync_engine", index, url, self.weights_version)
-        return ray.get(refs)[0]  # no bars: the main thread may be drawing its own
+        return self._get(refs, bars=False)[0]  # no bars: the main thread may be drawing its own
 
     def check_weights(self):
         return self._rank0("check_weights")

@@ -75,6 +75,9 @@ class ServerError(RuntimeError):
         super().__init__(message)
         self.url, self.status, self.payload = url, status, payload
 
+    def __reduce__(self):  # picklable (Ray sends a failed actor call's exception to the driver)
+        return type(self), (str(self), self.url, self.status, self.payload)
+
 
 class RequestRejected(ServerError):
     """4xx: the server refused the request (its message is in the exception's text)."""

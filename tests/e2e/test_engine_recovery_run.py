@@ -20,9 +20,9 @@ def test_engines_killed_mid_rollout_the_run_matches_the_uninterrupted_one(tmp_pa
     assets = quick_assets(tmp_path / "assets")
     common = ["checkpoint.save_hf=false", "eval.interval=0"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    check_ok(run_cli(["train", TINY_RECIPE, *tiny_overrides(assets, reference, *common, steps=3)]))
+    check_ok(run_cli(["train", TINY_RECIPE, *tiny_overrides(assets, reference, *common, steps=3)], timeout=600))
     proc = run_cli(["train", TINY_RECIPE, *tiny_overrides(assets, killed, *common, "rollout.num_engines=2", steps=3)],
-                   env={"MEGATRON_RL_TEST_KILL_ENGINE": "1:0:sync,2:1,3:0,3:1"})
+                   env={"MEGATRON_RL_TEST_KILL_ENGINE": "1:0:sync,2:1,3:0,3:1"}, timeout=600)
     check_ok(proc)
     log = proc.stderr
     for engine in (0, 1):

@@ -3,6 +3,8 @@ re-sends the requests of a SIGKILLed or SIGSTOPped (hung) server, the monitor re
 gives it the "trainer's" weights and re-admits it after the probe check; seeded answers equal an
 uninterrupted server's; holds defer restarts; a server that keeps dying ends in one clear error."""
 
+import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -15,8 +17,10 @@ from megatron_rl.config import RecoveryConfig
 from megatron_rl.orchestration.engine_health import EngineMonitor, EngineRecoveryError, kill_plan
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
 from megatron_rl.rollout.balancer import RemoteEngine
+from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.sampling import derive_seed
 from megatron_rl.rollout.weight_sync import compare_logprobs
 
 from rollout_models import other_weights, tiny_qwen3
@@ -37,21 +41,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained():
-    """The "trainer's" weights (not the checkpoint the servers start from) and their reference answers."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
-    weights = other_weights(tiny_qwen3, seed=1)
-    model = tiny_qwen3(seed=1)
-    engine = EmbeddedEngine(model, EmbeddedEngineConfig(seeds="deterministic"))
-    client_like = []  # the client sends each of a request's n samples as its own seeded one-sample request
-    from megatron_rl.rollout.sampling import derive_seed
-    import dataclasses
-
-    for r in REQUESTS:
-        client_like.append([engine.generate([GenerateRequest(r.prompt_ids, dataclasses.replace(
-            r.sampling, n=1, seed=derive_seed(r.sampling.seed, j)))])[0] for j in range(r.sampling.n)])
-    probe_lp = engine.prompt_logprobs(PROBE)[0]
-    return weights, client_like, probe_lp
+    """The "trainer's" weights (not the checkpoint the servers start from), the samples they give REQUESTS (the
+    client sends each of a request's n samples as a one-sample request with a derived seed) and PROBE's log-probs."""
+    engine = EmbeddedEngine(tiny_qwen3(seed=1), EmbeddedEngineConfig(seeds="deterministic"))
+    samples = [[engine.generate([GenerateRequest(r.prompt_ids, dataclasses.replace(
+        r.sampling, n=1, seed=derive_seed(r.sampling.seed, j)))])[0] for j in range(r.sampling.n)] for r in REQUESTS]
+    return other_weights(tiny_qwen3, seed=1), samples, engine.prompt_logprobs(PROBE)[0]
 
 
 class Trainer:
@@ -73,14 +68,32 @@ class Trainer:
         return f"probe max |dlogp| {check.max_abs_diff:.1e}"
 
 
-def _workers(model_dir, tmp_path, n):
+@contextlib.contextmanager
+def _watched(model_dir, tmp_path, trained, servers: int, max_restarts: int):
+    """``servers`` embedded servers holding the trained weights, a balancer over them and a running monitor."""
     workers = [EngineWorker(EngineSpec(kind="embedded", model_path=model_dir, index=i, log_dir=str(tmp_path)))
-               for i in range(n)]
-    urls = [w.start() for w in workers]
-    return workers, urls
+               for i in range(servers)]
+    engine = monitor = None
+    try:
+        urls = [w.start() for w in workers]
+        engine = RemoteEngine([SGLangClient(u, retry=FAST) for u in urls])
+        engine.update_weights([trained[0]], version="v1")
+        trainer = Trainer(trained)
+        monitor = EngineMonitor(engine, workers, trainer, RecoveryConfig(max_restarts=max_restarts, **QUICK)).start()
+        yield workers, engine, monitor, trainer
+    finally:
+        if monitor is not None:
+            monitor.stop()
+        if engine is not None:
+            engine.shutdown()
+        for w in workers:
+            w.stop()
 
 
-def _generate_in_background(engine):
+def _in_flight(engine, server: int):
+    """REQUESTS generated in the background, once at least two wait on ``server`` (paused in place: provably in
+    flight). Returns (thread, out) where out gets "samples" or "error"."""
+    engine.clients[server].pause_generation(mode="in_place")
     out = {}
 
     def run():
@@ -91,6 +104,7 @@ def _generate_in_background(engine):
 
     thread = threading.Thread(target=run)
     thread.start()
+    _wait_for(lambda: engine.outstanding[server] >= 2, what=f"requests on server {server}")
     return thread, out
 
 
@@ -101,45 +115,33 @@ def _wait_for(cond, timeout=120.0, what=""):
         time.sleep(0.02)
 
 
-def _assert_reference(samples, trained):
+def _assert_reference(thread, out, trained):
+    thread.join(180)
+    assert "error" not in out, out.get("error")
     expected = [s for group in trained[1] for s in group]
-    assert len(samples) == len(expected) == sum(r.sampling.n for r in REQUESTS)
-    for got, want in zip(samples, expected):
+    assert len(out["samples"]) == len(expected) == sum(r.sampling.n for r in REQUESTS)
+    for got, want in zip(out["samples"], expected):
         assert got.response_ids == want.response_ids
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
         assert got.weight_version == "v1"
 
 
 def test_killed_and_hung_servers_are_restarted_resynced_and_their_requests_resent(model_dir, tmp_path, trained):
-    workers, urls = _workers(model_dir, tmp_path, 2)
-    trainer = Trainer(trained)
-    engine = RemoteEngine([SGLangClient(u, retry=FAST) for u in urls])
-    monitor = None
-    try:
-        engine.update_weights([trained[0]], version="v1")
-        monitor = EngineMonitor(engine, workers, trainer, RecoveryConfig(max_restarts=1, **QUICK)).start()
-
-        # 1. kill -9 server 0 while requests wait on it (paused in place: provably in flight)
-        engine.clients[0].pause_generation(mode="in_place")
-        thread, out = _generate_in_background(engine)
-        _wait_for(lambda: engine.outstanding[0] >= 2, what="requests on server 0")
+    with _watched(model_dir, tmp_path, trained, servers=2, max_restarts=1) as (workers, engine, monitor, trainer):
+        urls = [c.url for c in engine.clients]
+        # 1. kill -9 server 0 with requests on it: they go to server 1; server 0 comes back at a new URL
+        thread, out = _in_flight(engine, 0)
         workers[0].kill()
-        thread.join(180)
-        assert "error" not in out, out.get("error")
-        _assert_reference(out["samples"], trained)
+        _assert_reference(thread, out, trained)
         assert engine.resent[0] >= 2 and engine.resent[1] == 0
         _wait_for(lambda: monitor.restarts == 1 and all(engine.available), what="server 0 back")
         assert trainer.synced == [(0, engine.clients[0].url)] and engine.clients[0].url != urls[0]
         assert workers[0].exit_status() is None and engine.clients[0].get_weight_version() == "v1"
 
-        # 2. server 1 hangs (SIGSTOP) with requests in flight: no answer for stall_s -> /health times out
-        engine.clients[1].pause_generation(mode="in_place")
-        thread, out = _generate_in_background(engine)
-        _wait_for(lambda: engine.outstanding[1] >= 2, what="requests on server 1")
+        # 2. server 1 hangs (SIGSTOP) with requests on it: no answer for stall_s -> /health times out -> restarted
+        thread, out = _in_flight(engine, 1)
         os.kill(workers[1].process.proc.pid, signal.SIGSTOP)
-        thread.join(180)
-        assert "error" not in out, out.get("error")
-        _assert_reference(out["samples"], trained)
+        _assert_reference(thread, out, trained)
         _wait_for(lambda: monitor.restarts == 2 and all(engine.available), what="server 1 back")
         assert [i for i, _ in trainer.synced] == [0, 1] and engine.clients[1].url != urls[1]
         assert monitor.metrics()["engine/restarts"] == 2.0 and monitor.metrics()["engine/out_seconds"] > 0
@@ -154,53 +156,28 @@ def test_killed_and_hung_servers_are_restarted_resynced_and_their_requests_resen
         with pytest.raises(EngineRecoveryError, match="engine 0"):
             monitor.raise_if_failed()
         assert engine.generate(REQUESTS[:2])  # server 1 still serves
-    finally:
-        if monitor is not None:
-            monitor.stop()
-        engine.shutdown()
-        for w in workers:
-            w.stop()
 
 
 def test_single_server_requests_wait_for_the_restart_which_waits_for_the_hold(model_dir, tmp_path, trained):
-    workers, urls = _workers(model_dir, tmp_path, 1)
-    trainer = Trainer(trained)
-    engine = RemoteEngine([SGLangClient(urls[0], retry=FAST)])
-    monitor = None
-    try:
-        engine.update_weights([trained[0]], version="v1")
-        monitor = EngineMonitor(engine, workers, trainer, RecoveryConfig(max_restarts=1, **QUICK)).start()
-
+    with _watched(model_dir, tmp_path, trained, servers=1, max_restarts=1) as (workers, engine, monitor, trainer):
         # the only server dies with requests in flight during a hold (the driver released its memory, say):
         # the exit is seen at once, the restart waits for the hold's end, the requests wait for the restart
-        engine.clients[0].pause_generation(mode="in_place")
-        thread, out = _generate_in_background(engine)
-        _wait_for(lambda: engine.outstanding[0] >= 2, what="requests in flight")
+        thread, out = _in_flight(engine, 0)
         hold = monitor.hold("test")
         workers[0].kill()
         _wait_for(lambda: not engine.available[0], what="the exit to be seen")
         time.sleep(1.0)
         assert monitor.restarts == 0 and thread.is_alive()
         hold.release()
-        thread.join(180)
-        assert "error" not in out, out.get("error")
-        _assert_reference(out["samples"], trained)
+        _assert_reference(thread, out, trained)
         assert monitor.restarts == 1 and engine.resent[0] >= 2 and trainer.synced == [(0, engine.clients[0].url)]
 
         # it dies again past max_restarts: the waiting requests raise the monitor's error
-        engine.clients[0].pause_generation(mode="in_place")
-        thread, out = _generate_in_background(engine)
-        _wait_for(lambda: engine.outstanding[0] >= 2, what="requests in flight")
+        thread, out = _in_flight(engine, 0)
         workers[0].kill()
         thread.join(180)
         assert isinstance(out.get("error"), EngineRecoveryError), out
         assert "engine 0" in str(out["error"]) and "max_restarts=1" in str(out["error"])
-    finally:
-        if monitor is not None:
-            monitor.stop()
-        engine.shutdown()
-        for w in workers:
-            w.stop()
 
 
 def test_kill_plan_parses_and_rejects():
@@ -209,6 +186,17 @@ def test_kill_plan_parses_and_rejects():
     for bad in ("2", "2:x", "2:0:train", "1:2:3:4"):
         with pytest.raises(ValueError, match=f"MEGATRON_RL_TEST_KILL_ENGINE='{bad}'"):
             kill_plan(bad)
+
+
+def test_server_errors_survive_pickling():
+    """Ray sends a failed actor call's exception to the driver pickled (an unpicklable one: "Failed to deserialize")."""
+    import pickle
+
+    from megatron_rl.rollout.http_client import RequestRejected, ServerUnavailableError
+
+    for cls in (ServerUnavailableError, RequestRejected):
+        e = pickle.loads(pickle.dumps(cls("boom", "http://h:1", 400, {"a": 1})))
+        assert (type(e), str(e), e.url, e.status, e.payload) == (cls, "boom", "http://h:1", 400, {"a": 1})
 
 
 def test_recovery_config_rejects_bad_values():
