@@ -103,6 +103,34 @@ class SGLangConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """Engine recovery for the engines a run launches (``embedded``, ``sglang``; see
+    ``orchestration/engine_health.py``): a dead or hung engine is restarted, given the trainer's current
+    weights and re-admitted after its probe check; its requests go to the other engines meanwhile.
+
+    poll_s:            how often each engine's server process is checked (a Ray call; nothing reaches the engine).
+    stall_s:           an engine with requests in flight that answered none for this long gets a ``/health`` probe
+                       (one generated token); failing it, or no answer within ``health_timeout_s``, means hung.
+    max_restarts:      restarts of one engine allowed within ``window_s``; one more and the run stops with the
+                       engine's log tail.
+    """
+
+    enabled: bool = True
+    poll_s: float = 2.0
+    stall_s: float = 60.0
+    health_timeout_s: float = 60.0  # above SGLang's own 20 s health timeout
+    max_restarts: int = 3
+    window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("poll_s", "stall_s", "health_timeout_s", "window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.recovery.{name}={getattr(self, name)}: expected seconds > 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"rollout.recovery.max_restarts={self.max_restarts}: expected >= 0 (0: never restart)")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """Rollout engines, sampling, dynamic sampling, weight sync and placement.
 
@@ -131,6 +159,7 @@ class RolloutConfig:
                             step stale; the decoupled / rollout-correction loss handles it).
     embedded_dtype:         the embedded engine's weights: ``float32``, or ``bfloat16`` like a production
                             engine (a real training-inference mismatch, e.g. MoE routing that differs).
+    recovery:               restart dead or hung engines (``RecoveryConfig``).
     """
 
     engine: Literal["embedded", "sglang", "remote"] = "embedded"
@@ -155,6 +184,7 @@ class RolloutConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"
     off_policy: int = 0
     embedded_dtype: Literal["float32", "bfloat16"] = "float32"
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1 or self.num_engines < 1:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
@@ -33,9 +33,11 @@ def tiny_overrides(assets: Dict[str, str], out_dir, *extra: str, steps: int = 3,
     ]
 
 
-def run_cli(args: List[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """``megatron-rl <args>`` in a fresh interpreter (the real entry point; Ray starts and stops there)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+def run_cli(args: List[str], timeout: float = 300.0, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """``megatron-rl <args>`` in a fresh interpreter (the real entry point; Ray starts and stops there);
+    ``env``: extra environment variables."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
+               **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], cwd=str(REPO), env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc

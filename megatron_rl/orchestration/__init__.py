@@ -2,7 +2,9 @@
 
   trainer_worker.py  TrainerWorker: one PolicyTrainer rank (torch.distributed + Megatron), weight sync
                      (rank 0 drives it over HTTP), checkpoints
-  engine_worker.py   EngineWorker: an SGLang server (GPU) or our embedded server (CPU), returns its URL
+  engine_worker.py   EngineWorker: an SGLang server (GPU) or our embedded server (CPU) as its child process:
+                     URL, exit status, kill, restart on a fresh port
+  engine_health.py   EngineMonitor: dead or hung engines restarted, re-synced, re-admitted after the probe check
   placement.py       Ray start-up; placement groups for colocated / disaggregated runs
   trainer_group.py   TrainerGroup: one call -> every rank, data-parallel shards in, one result out
   rollout.py         rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds

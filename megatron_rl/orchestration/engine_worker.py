@@ -1,12 +1,19 @@
-"""One rollout engine as a Ray actor that serves SGLang's HTTP protocol and returns its URL.
+"""One rollout engine as a Ray actor: it runs an SGLang-protocol server as a child process and manages it.
 
-* ``embedded``: an :class:`~megatron_rl.rollout.embedded.EmbeddedEngine` (transformers) behind our
-  SGLang-compatible :class:`~megatron_rl.rollout.server.EmbeddedServer`, in this actor's process
-  (its HTTP and generation threads keep running between actor calls). On CPU this is what makes the
-  driver's SGLang client path — HTTP generate, weight updates, memory release — run for real over
-  loopback.
-* ``sglang``: ``python -m sglang.launch_server`` as a managed child process on the GPUs Ray gave this
-  actor (``CUDA_VISIBLE_DEVICES``), stopped with the actor.
+* ``embedded``: ``python -m megatron_rl.rollout.server`` -- our SGLang-compatible HTTP server over an
+  :class:`~megatron_rl.rollout.embedded.EmbeddedEngine` (transformers). On CPU this is what makes the
+  driver's SGLang client path -- HTTP generate, weight updates, memory release -- run for real over loopback.
+* ``sglang``: ``python -m sglang.launch_server`` on the GPUs Ray gave this actor (``CUDA_VISIBLE_DEVICES``).
+
+Both are a :class:`~megatron_rl.rollout.process.ManagedServer` in their own session, logging to
+``<output_dir>/<kind>_<index>.log``: the actor can see the server's exit status, SIGKILL it (what a crash
+looks like, also for tests) and launch it again, while it stays the engine's Ray handle -- engine recovery
+(``engine_health.py``) restarts a dead or hung server through :meth:`EngineWorker.restart`, which launches
+on a fresh port, so nothing that knows the old address reaches the new server before it has its weights.
+
+The embedded server used to run inside this actor's process; as a child it costs one more interpreter
+start (measured in the engine-recovery report: about the same start-up, ~no memory difference since the
+actor itself then imports no torch) and buys a server that can die and come back without the actor.
 
 The driver never talks to the actor for rollouts: it talks HTTP to the URL (one protocol for every
 engine kind, and for ``rollout.engine: remote`` servers nobody here started).
@@ -15,6 +22,7 @@ engine kind, and for ``rollout.engine: remote`` servers nobody here started).
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,29 +40,26 @@ class EngineSpec:
     threads: int = 1
     routed_experts: bool = False
     dtype: str = "float32"  # embedded engine weights
-    log_dir: str = "."
+    log_dir: Optional[str] = None  # None: a fresh temporary directory
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    launch_timeout_s: float = 300.0  # embedded: interpreter + model load (SGLang: sglang.health_timeout_s)
 
 
 class EngineWorker:
     def __init__(self, spec: EngineSpec):
-        import torch
-        from transformers.utils import logging as hf_logging
-
-        torch.set_num_threads(spec.threads)
-        hf_logging.disable_progress_bar()  # a weight-loading bar per engine, forwarded line by line by Ray
         self.spec = spec
-        self.server = None
-        self.process = None
+        self.process = None  # the ManagedServer
 
     def start(self) -> str:
         """Start the server; returns its URL (reachable from the driver and the trainers)."""
         spec = self.spec
         if spec.kind == "embedded":
-            return self._start_embedded()
-        if spec.kind == "sglang":
-            return self._start_sglang()
-        raise ValueError(f"engine kind {spec.kind!r}: expected 'embedded' or 'sglang'")
+            self.process = self._launch_embedded()
+        elif spec.kind == "sglang":
+            self.process = self._launch_sglang()
+        else:
+            raise ValueError(f"engine kind {spec.kind!r}: expected 'embedded' or 'sglang'")
+        return self._advertised(self.process.url)
 
     def _advertised(self, url: str) -> str:
         if self.spec.host != "0.0.0.0":
@@ -63,22 +68,25 @@ class EngineWorker:
 
         return url.replace("0.0.0.0", ray.util.get_node_ip_address())
 
-    def _start_embedded(self) -> str:
-        import torch
+    @property
+    def log_path(self) -> str:
+        if self.spec.log_dir is None:
+            import tempfile
 
-        from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-        from megatron_rl.rollout.server import EmbeddedServer
+            self.spec.log_dir = tempfile.mkdtemp(prefix="megatron_rl_engine_")
+        return os.path.join(self.spec.log_dir, f"{self.spec.kind}_{self.spec.index}.log")
+
+    def _launch_embedded(self):
+        from megatron_rl.rollout.process import launch_embedded_server
 
         spec = self.spec
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        engine = EmbeddedEngine.from_pretrained(
-            spec.model_path, EmbeddedEngineConfig(seed=spec.seed, max_batch_rows=256,
-                                                  seeds="deterministic" if spec.deterministic else "ignored"),
-            dtype=getattr(torch, spec.dtype), device=device)
-        self.server = EmbeddedServer(engine, host=spec.host, port=0, model_path=spec.model_path).start()
-        return self._advertised(self.server.url)
+        device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") and _cuda_available() else "cpu"
+        return launch_embedded_server(
+            spec.model_path, self.log_path, host=spec.host, seed=spec.seed, deterministic=spec.deterministic,
+            health_timeout_s=spec.launch_timeout_s, env={"OMP_NUM_THREADS": str(spec.threads)},
+            extra_args=["--max-batch-rows", "256", "--dtype", spec.dtype, "--device", device])
 
-    def _start_sglang(self) -> str:
+    def _launch_sglang(self):
         from megatron_rl.rollout.sglang import SGLangServerConfig, launch_sglang_server
 
         spec, s = self.spec, self.spec.sglang
@@ -88,17 +96,49 @@ class EngineWorker:
             enable_memory_saver=s.enable_memory_saver, sampling_backend=s.sampling_backend,
             enable_deterministic_inference=spec.deterministic,
             extra_args=tuple(s.extra_args), env=dict(s.env), health_timeout_s=s.health_timeout_s,
-            log_path=os.path.join(spec.log_dir, f"sglang_{spec.index}.log"))
-        self.process = launch_sglang_server(cfg)
-        return self._advertised(self.process.url)
+            log_path=self.log_path)
+        return launch_sglang_server(cfg)
+
+    # ---- recovery (engine_health.py) ----------------------------------------------------------------
+
+    def exit_status(self) -> Optional[str]:
+        """None while the server process runs; else how it ended (``exited with code -9 (SIGKILL)``)."""
+        proc = self.process.proc if self.process is not None else None
+        if proc is None:
+            return "was never started"
+        code = proc.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"exited with code {code} ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return f"exited with code {code}"
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers (what a crash looks like)."""
+        if self.process is not None:
+            self.process.kill()
+
+    def restart(self) -> str:
+        """SIGKILL what is left of the server and launch it again, on a fresh port; returns the new URL once
+        ``/health`` passes (``ServerLaunchError`` with the log tail if it does not)."""
+        self.kill()
+        return self.start()
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
         if self.process is not None:
             self.process.stop()
             self.process = None
 
-    def log_tail(self) -> Optional[str]:
-        return self.process.log_tail() if self.process is not None else None
+    def log_tail(self, lines: int = 40) -> str:
+        if self.process is None:
+            return "(never started)"
+        return f"last lines of {self.process.log_path}:\n{self.process.log_tail(lines)}"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -5,8 +5,8 @@ The target is a recipe (its ``model.hf_path``, ``eval``, ``reward`` and ``rollou
 directory (its ``config.yaml``, and its ``hf_final/`` model when there is one), or an HF directory (then
 ``eval.data.path=...`` or ``eval.datasets.NAME.path=...`` and the ``reward.*`` fields come as overrides).
 ``--model`` evaluates another HF directory (e.g. ``megatron-rl export``'s output) with the recipe's
-reward and data. Engines: ``rollout.engine`` ``embedded`` (in this process, behind the SGLang-compatible
-server), ``sglang`` (a server launched here) or ``remote`` (``rollout.urls``, whatever they serve).
+reward and data. Engines: ``rollout.engine`` ``embedded`` (the SGLang-compatible server in a child
+process), ``sglang`` (a server launched here) or ``remote`` (``rollout.urls``, whatever they serve).
 Prints a markdown table; ``--output`` also writes the metrics as JSON. Exit codes: 0, 2 config error.
 """
 

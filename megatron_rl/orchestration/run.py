@@ -4,7 +4,8 @@ Start-up (:meth:`Run.__enter__`): output directory; tokenizer, prompt data and s
 Ray, placement groups, trainer ranks and engine servers (started concurrently); the driver's
 :class:`RemoteEngine` over the servers' URLs; then either resume (trainer checkpoint + the driver's state:
 step, sampler position, a pending off-policy rollout, the step's metrics line) followed by a weight sync,
-or the step-0 check that engines and trainer agree on the probe's log-probs. Only a start that got that
+or the step-0 check that engines and trainer agree on the probe's log-probs; last, the engine health
+monitor (``engine_health.py``: dead or hung engines are restarted and re-synced). Only a start that got that
 far writes the resolved ``config.yaml`` (and, with ``overwrite``, removes the previous run's outputs): a
 failed start leaves the output directory as it was.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -47,6 +49,8 @@ class Run:
         self._released = False
         self._local_ray = None  # the local Ray this run started (placement.LocalRay)
         self._replay_row: Optional[Dict[str, float]] = None  # the resumed step's metrics line, from the checkpoint
+        self._release_hold = None
+        self.recovery = None  # the EngineMonitor, when engines are launched here and rollout.recovery.enabled
         self._closers = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
 
@@ -69,6 +73,7 @@ class Run:
         self._start_workers()
         self._restore_or_check()
         self._prepare_output_dir()
+        self._start_recovery()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))
@@ -212,6 +217,25 @@ class Run:
             logger.info("step-0 check: engine vs trainer probe log-probs max |diff| %.2e over %d tokens",
                         check.max_abs_diff, check.length)
 
+    def _start_recovery(self) -> None:
+        from megatron_rl.orchestration import engine_health
+
+        self._kill_plan = engine_health.kill_plan(os.environ.get(engine_health.KILL_ENV))
+        if not (self.cfg.rollout.recovery.enabled and self.placement.engines):
+            return  # remote servers: nobody here can restart them
+        handles = [engine_health.ActorEngine(a, i) for i, a in enumerate(self.placement.engines)]
+        self.recovery = engine_health.EngineMonitor(self.engine, handles, self._resync_engine,
+                                                    self.cfg.rollout.recovery).start()
+        self._closers.append(self.recovery.stop)
+
+    def _resync_engine(self, index: int, url: str) -> str:
+        """Engine recovery: the trainer's current weights to the restarted engine ``index``, and the probe check."""
+        stats = self.trainers.sync_engine(index, url)
+        check = (f"probe max |dlogp| {stats.check.max_abs_diff:.2e}" if stats.check is not None
+                 else "no probe check (rollout.weight_sync.check=false)")
+        return f"weights v{stats.version} ({stats.bytes / 2**20:.1f} MiB), {check}"
+
+
     def _replay_lost_row(self) -> None:
         """The resumed step's metrics line, if the interrupted run died between committing its checkpoint and
         writing the line (the checkpoint carries it)."""
@@ -246,6 +270,12 @@ class Run:
 
     def rollout(self, step: int) -> RolloutBatch:
         """Rollout -> rewards -> dynamic-sampling filter (no filter during the imitation warm-up)."""
+        if self.recovery is not None:
+            self.recovery.raise_if_failed()
+            from megatron_rl.orchestration.engine_health import kill_when_busy
+
+            for i in self._kill_plan.get((step, "rollout"), []):  # fault injection (tests): a crash mid-rollout
+                kill_when_busy(self.engine, i, self.recovery.handles[i])
         return self.rollouts.collect(step, filter_groups=not self.is_warmup(step))
 
     def rollout_async(self, step: int) -> Optional[concurrent.futures.Future]:
@@ -265,6 +295,8 @@ class Run:
     def release_engines(self) -> None:
         """Colocated: the engines free their memory for the trainer (resumed before the weight sync)."""
         if self._colocated:
+            if self.recovery is not None:  # released engines answer no /health; restarts wait for the resume
+                self._release_hold = self.recovery.hold("memory released")
             with self.timer.phase("engine_memory"):
                 self.engine.release_memory()
             self._released = True
@@ -274,6 +306,9 @@ class Run:
             with self.timer.phase("engine_memory"):
                 self.engine.resume_memory()
             self._released = False
+            if self._release_hold is not None:
+                self._release_hold.release()
+                self._release_hold = None
 
     @property
     def _colocated(self) -> bool:
@@ -312,7 +347,7 @@ class Run:
 
     def train(self, tb, step: int) -> Dict[str, float]:
         with self.timer.phase("train"):
-            result = self.trainers.train_step(tb, self.cfg.objective_at(step))
+            result = self.trainers.train_step(tb, self.cfg.objective_at(step), version=step)
         out = {"train/grad_norm": result.grad_norm, "train/lr": result.lr,
                "train/skipped": float(result.skipped), "train/optimizer_step": float(result.step),
                "train/tokens": float(tb.seq_lengths.sum()), "train/sequences": float(tb.batch_size),
@@ -338,12 +373,35 @@ class Run:
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         with self.timer.phase("weight_sync"):
-            stats = self.trainers.sync_weights(version=step)
+            stats = self._sync_weights(step)
         out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets)}
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
             out["sync/probe_mean_abs_diff"] = stats.check.mean_abs_diff
         return out
+
+    def _sync_weights(self, version: int):
+        """With recovery: after the engines out of rotation are back; a sync that failed because an engine died or
+        hung is retried once it is recovered."""
+        if self.recovery is None:
+            return self.trainers.sync_weights(version=version)
+        from megatron_rl.orchestration.engine_health import EngineRecoveryError
+
+        for attempt in itertools.count(1):
+            self.recovery.wait_all_up()
+            try:
+                with self.recovery.hold("weight sync"):
+                    for i in self._kill_plan.pop((version, "sync"), []):  # fault injection (tests)
+                        logger.warning("fault injection: SIGKILL to engine %d's server before weight sync v%s", i, version)
+                        self.recovery.handles[i].kill()
+                    return self.trainers.sync_weights(version=version)
+            except Exception as e:  # noqa: BLE001 - re-raised unless an engine failure explains it
+                if isinstance(e, EngineRecoveryError) or attempt > self.cfg.rollout.recovery.max_restarts \
+                        or not self.recovery.recover_all():
+                    raise
+                cause = getattr(e, "cause", None) or e  # a Ray task error: the trainer's exception
+                logger.warning("weight sync v%s failed with an engine down (%s: %s); engines recovered, syncing again",
+                               version, type(cause).__name__, (str(cause).strip().splitlines() or [""])[-1])
 
     def evaluate(self, step: int) -> Dict[str, float]:
         e = self.cfg.eval
@@ -386,6 +444,8 @@ class Run:
 
         metrics = {**metrics, **self.timer.finish_step()}
         metrics.update(throughput(metrics, metrics))
+        if self.recovery is not None:
+            metrics.update(self.recovery.metrics())
         text = {}
         if batch is not None and batch.groups and self.cfg.logging.print_samples:
             g = batch.groups[0]

@@ -2,13 +2,16 @@
 data-parallel shard of the batch, and comes back as one result.
 
 Megatron's collectives need every rank inside the same call, so a method is always invoked on all
-actors before any result is awaited. Per-sequence results (forward log-probs) come from one rank per
+actors before any result is awaited -- and submitted under one lock: the engine-recovery thread
+(``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
+actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
 data-parallel replica and are put back together in batch order (``TrainBatch.split`` is contiguous).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -25,21 +28,49 @@ class TrainerGroup:
         self.workers = workers
         self.infos: List[Dict[str, int]] = []
         self.progress = progress  # draws the bars the ranks report while a call runs
+        self._submit_lock = threading.Lock()
+        # the label of the weights the trainer holds once every submitted call has run: the last synced
+        # version, or the step of the last submitted train step (what a restarted engine is given)
+        self.weights_version = "default"
 
-    def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
+    def _submit(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
+        return [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
+                for i, w in enumerate(self.workers)]
+
+    def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None, version: Any = None) -> List[Any]:
+        """``method`` on every rank; ``version``: the label of the weights the ranks hold after it."""
+        with self._submit_lock:
+            refs = self._submit(method, *args, per_rank=per_rank)
+            if version is not None:
+                self.weights_version = str(version)
+        return self._get(refs, method)
+
+    def _get(self, refs: List[Any], method: str, bars: bool = True) -> List[Any]:
         import ray
 
-        refs = [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
-                for i, w in enumerate(self.workers)]
         try:
-            return ray.get(refs) if self.progress is None else self.progress.wait(refs)
+            return ray.get(refs) if self.progress is None or not bars else self.progress.wait(refs)
         except ray.exceptions.RayActorError as e:
             raise self._dead_rank(method, refs, e) from None
         except ray.exceptions.RayTaskError as e:
+            self._drain(refs)
             user = failures.from_ray_error(e)
             if user is None:
                 raise
             raise user from None
+
+    @staticmethod
+    def _drain(refs: List[Any]) -> None:
+        """Fetch the other ranks' (agreed) errors too, which Ray would otherwise log as "unhandled": a failed
+        call can be recovered from (engine recovery retries a weight sync)."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=60)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001
+                pass
 
     def _dead_rank(self, method: str, refs: List[Any], error: BaseException) -> failures.RunError:
         """Which rank died (the first whose call failed with a dead actor), with its pid and log tail."""
@@ -94,16 +125,25 @@ class TrainerGroup:
         shards = self._shards(batch)
         return torch.cat(self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards])))
 
-    def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
+    def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None,
+                   version: Any = None) -> StepResult:
+        """One optimizer step; ``version``: the label of the weights it produces (the driver's step)."""
         shards = self._shards(batch)
-        return self._call("train_step", per_rank=[(s, objective) for s in shards])[0]
+        return self._call("train_step", per_rank=[(s, objective) for s in shards], version=version)[0]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float) -> None:
         self._call("connect_engines", urls, transport, policy, timeout_s)
 
     def sync_weights(self, version: Any):
-        return self._rank0("sync_weights", version)
+        return self._call("sync_weights", version, version=version)[0]
+
+    def sync_engine(self, index: int, url: str):
+        """The trainer's current weights to engine ``index`` alone, restarted at ``url``, then the probe check
+        (engine recovery). Returns ``SyncStats`` (its ``version``: ``weights_version`` when submitted)."""
+        with self._submit_lock:
+            refs = self._submit("sync_engine", index, url, self.weights_version)
+        return self._get(refs, "sync_engine", bars=False)[0]  # no bars: the main thread may be drawing its own
 
     def check_weights(self):
         return self._rank0("check_weights")

@@ -60,6 +60,8 @@ class TrainerWorker:
         self.ref = None
         self.engine = None
         self.sync = None
+        self._transport = None
+        self._regroup = False  # distributed transport: rebuild the weight group before the next sync (every rank)
         self._store = None  # rank 0: the rendezvous store it hosts
         self.reporter = None  # progress: reports to the driver's bars (orchestration.progress)
 
@@ -129,10 +131,8 @@ class TrainerWorker:
         hosts); every rank: the WeightSync that joins rank 0's gathers."""
         from megatron_rl.rollout.weight_sync import WeightSync
 
+        self._transport = transport
         if self.rank == 0:
-            import ray
-
-            from megatron_rl.parallel import default_backend
             from megatron_rl.rollout.balancer import RemoteEngine
             from megatron_rl.rollout.http_client import SGLangClient
 
@@ -143,15 +143,76 @@ class TrainerWorker:
                 layout = expert_layout(self.trainer.built.arch)
             clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
-            if transport == "distributed":
-                ip = ray.util.get_node_ip_address()
-                self.engine.init_weight_sync(ip, 0, backend=self.spec.backend or default_backend(), timeout_s=timeout_s)
+            self._group_timeout_s = timeout_s
+            self._init_weight_group(self.engine)
         self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync)
         if self.rank == 0:
             self.sync.progress = self.reporter
 
+    def _init_weight_group(self, engine) -> None:
+        """The distributed transport's weight group over ``engine``'s servers, hosted here (rank 0)."""
+        if engine.weight_transport != "distributed":
+            return
+        import ray
+
+        from megatron_rl.parallel import default_backend
+
+        engine.init_weight_sync(ray.util.get_node_ip_address(), 0, backend=self.spec.backend or default_backend(),
+                                timeout_s=self._group_timeout_s)
+
+    def _on_rank0(self, fn) -> None:
+        """Collective: run ``fn`` on rank 0 and raise on every rank if it failed (no rank left in a later gather)."""
+        import torch.distributed as dist
+
+        from megatron_rl.rollout.weight_sync import WeightSyncError
+
+        error = None
+        if self.rank == 0:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+                error = e
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        if error is not None:
+            raise error
+        if box[0] is not None:
+            raise WeightSyncError(f"weight sync set-up failed on rank 0: {box[0]}")
+
     def sync_weights(self, version: Any):
-        stats = self.sync.sync(version)
+        if self._regroup:  # a restarted server is not in the weight group, or a failed broadcast broke it
+            self._on_rank0(lambda: self._init_weight_group(self.engine))
+            self._regroup = False
+        try:
+            stats = self.sync.sync(version)
+        except Exception:
+            self._regroup = self._transport == "distributed"
+            raise
+        return stats if self.rank == 0 else None
+
+    def sync_engine(self, index: int, url: str, version: Any):
+        """Collective: engine ``index`` was restarted at ``url``; give that server alone the current weights (and the
+        probe check, if configured). The full weight group, if any, lacks the new server: it is rebuilt at the next
+        :meth:`sync_weights`."""
+        from megatron_rl.rollout.weight_sync import WeightSync
+
+        self._regroup = self._transport == "distributed"
+        engines = []
+
+        def connect():
+            self.engine.replace_server(index, url)
+            engines.append(self.engine.subset([index]))
+            self._init_weight_group(engines[0])
+
+        try:
+            self._on_rank0(connect)
+            config = dataclasses.replace(self.spec.weight_sync, progress=False)
+            stats = WeightSync(self.trainer.built, engines[0] if engines else None, config).sync(version)
+        finally:
+            for engine in engines:
+                engine.close_weight_sync()
+                engine.shutdown()
         return stats if self.rank == 0 else None
 
     def check_weights(self):

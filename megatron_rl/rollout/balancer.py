@@ -5,6 +5,13 @@ server with the fewest requests in flight from this engine; ties go round-robin)
 samples go to one server (prefix sharing). This is an in-process balancer; ``sglang-router`` (a separate
 process) can sit in front of the servers instead, in which case give ``RemoteEngine`` the router's URL.
 
+Engine recovery (``orchestration/engine_health.py`` sets ``on_failure``): a request whose server cannot be
+reached (``ServerUnavailableError``: refused, reset, no answer) takes that server out of rotation, is
+reported to ``on_failure(index, error)`` and is re-sent to another available server -- or waits for one
+when none is left -- at most ``max_resends`` times. The monitor puts a server back with
+:meth:`RemoteEngine.set_available` (it was fine) or :meth:`RemoteEngine.replace_server` (restarted at a
+new URL). Without ``on_failure`` a failure is raised as before.
+
 Weight updates go to every server inside SGLang's weight-update session (``/begin_weight_update`` on every
 server first: SGLang refuses updates outside one, and a refused announce would leave the broadcast below
 waiting forever; ``/end_weight_update`` on every server after the last bucket, also after a failure), then
@@ -29,10 +36,10 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_rl.rollout import weight_group
-from megatron_rl.rollout.http_client import SGLangClient
+from megatron_rl.rollout.http_client import SGLangClient, ServerUnavailableError
 from megatron_rl.rollout.protocol import EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,7 @@ class WeightTransportError(RuntimeError):
 
 class RemoteEngine(RolloutEngine):
     def __init__(self, clients: Sequence[SGLangClient], policy: str = "least_outstanding",
-                 weight_transport: str = "tensor", max_concurrency: int = 64):
+                 weight_transport: str = "tensor", max_concurrency: int = 64, max_resends: int = 3):
         if not clients:
             raise ValueError("RemoteEngine needs at least one SGLangClient")
         if policy not in POLICIES:
@@ -59,30 +66,90 @@ class RemoteEngine(RolloutEngine):
         self.outstanding = [0] * len(self.clients)
         self._rr = itertools.cycle(range(len(self.clients)))
         self._lock = threading.Lock()
+        # recovery (module doc): which servers take requests, and who hears about unreachable ones
+        self.available = [True] * len(self.clients)
+        self._cv = threading.Condition(self._lock)
+        self.on_failure: Optional[Callable[[int, BaseException], None]] = None
+        self.max_resends = max_resends
+        self.resent = [0] * len(self.clients)  # requests re-sent because server i could not be reached
+        self._fatal: Optional[BaseException] = None
+        self._progress = [0.0] * len(self.clients)  # last time server i answered a request or became busy
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-http")
         self._group = None
         self._group_generation = 0
         self._group_args: Optional[dict] = None
         self.weight_version = "default"
 
-    def _pick(self) -> int:
-        with self._lock:
-            if self.policy == "round_robin":
-                i = next(self._rr)
-            else:
-                start = next(self._rr)  # rotate the starting point so ties spread evenly
-                order = [(start + k) % len(self.clients) for k in range(len(self.clients))]
-                i = min(order, key=lambda j: self.outstanding[j])
+    def _pick(self) -> Tuple[int, SGLangClient]:
+        """An available server (waiting for one while none is) and its client; counts the request on it."""
+        with self._cv:
+            while not any(self.available):
+                if self._fatal is not None:
+                    raise self._fatal
+                self._cv.wait()
+            n = len(self.clients)
+            start = next(self._rr)  # round-robin, or the starting point that spreads least-outstanding ties
+            order = [j for j in ((start + k) % n for k in range(n)) if self.available[j]]
+            i = order[0] if self.policy == "round_robin" else min(order, key=lambda j: self.outstanding[j])
+            if self.outstanding[i] == 0:
+                self._progress[i] = time.monotonic()
             self.outstanding[i] += 1
-            return i
+            return i, self.clients[i]
 
     def _run_one(self, req: GenerateRequest) -> List[Sample]:
-        i = self._pick()
-        try:
-            return self.clients[i].generate_one(req)
-        finally:
-            with self._lock:
-                self.outstanding[i] -= 1
+        resends = 0
+        while True:
+            i, client = self._pick()
+            try:
+                samples = client.generate_one(req)
+            except ServerUnavailableError as e:
+                if self.on_failure is None or resends >= self.max_resends:
+                    raise
+                self._report(i, client, e)
+                resends += 1
+                with self._lock:
+                    self.resent[i] += 1
+                log.debug("request re-sent (%d/%d): %s", resends, self.max_resends, e)
+                continue
+            finally:
+                with self._lock:
+                    self.outstanding[i] -= 1
+                    self._progress[i] = time.monotonic()
+            return samples
+
+    # ---- availability (engine recovery, module doc) ------------------------------------------------
+
+    def _report(self, i: int, client: SGLangClient, error: BaseException) -> None:
+        """Server ``i`` could not be reached through ``client``: out of rotation, and tell ``on_failure``."""
+        with self._cv:
+            if self.clients[i] is not client or not self.available[i]:
+                return  # already out, or replaced since this request was sent: nothing new to report
+            self.available[i] = False
+        if self.on_failure is not None:
+            self.on_failure(i, error)
+
+    def set_available(self, i: int, available: bool) -> None:
+        with self._cv:
+            self.available[i] = available
+            self._progress[i] = time.monotonic()
+            self._cv.notify_all()
+
+    def replace_server(self, i: int, url: str) -> None:
+        """Server ``i`` now answers at ``url`` (a restarted engine); it takes requests again."""
+        with self._cv:
+            self.clients[i] = self.clients[i].with_url(url)
+        self.set_available(i, True)
+
+    def stalled(self, i: int, seconds: float) -> bool:
+        """Requests are in flight on server ``i`` and it has answered none for ``seconds``."""
+        with self._lock:
+            return self.outstanding[i] > 0 and time.monotonic() - self._progress[i] > seconds
+
+    def fail(self, error: BaseException) -> None:
+        """Requests waiting for an available server raise ``error`` (recovery gave up)."""
+        with self._cv:
+            self._fatal = error
+            self._cv.notify_all()
 
     def generate(self, requests: Sequence[GenerateRequest]) -> List[Sample]:
         futures = [self._pool.submit(self._run_one, r) for r in requests]
@@ -92,6 +159,26 @@ class RemoteEngine(RolloutEngine):
         """Run ``fn(client)`` on every server concurrently; re-raise the first failure (after all finished)."""
         futures = [self._pool.submit(fn, c) for c in self.clients]
         return [f.result() for f in [_settled(f) for f in futures]]
+
+    def _each_available(self, fn) -> None:
+        """``_each`` over the available servers; with ``on_failure``, an unreachable one is reported, not raised."""
+        if self.on_failure is None:
+            self._each(fn)
+            return
+        with self._lock:
+            targets = [(i, c) for i, c in enumerate(self.clients) if self.available[i]]
+        futures = [(i, c, self._pool.submit(fn, c)) for i, c in targets]
+        for i, c, f in futures:
+            error = _settled(f).exception()
+            if isinstance(error, ServerUnavailableError):
+                self._report(i, c, error)
+            elif error is not None:
+                raise error
+
+    def subset(self, indices: Sequence[int]) -> "RemoteEngine":
+        """A RemoteEngine over servers ``indices`` (their clients, this one's settings), e.g. to sync weights to a
+        restarted server alone; ``shutdown`` it (and ``close_weight_sync``) when done."""
+        return RemoteEngine([self.clients[i] for i in indices], self.policy, self.weight_transport)
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> List[Any]:
         """One ``[L - 1]`` tensor per server, in ``clients`` order (each server is checked on its own)."""
@@ -134,6 +221,15 @@ class RemoteEngine(RolloutEngine):
         self._group_args = dict(master_address=master_address, master_port=master_port, backend=backend,
                                 timeout_s=timeout_s, group_name=group_name)
         log.info("weight group %r: trainer rank 0 + %d engine ranks (TP sizes %s)", name, world - 1, sizes)
+
+    @property
+    def weight_sync_ready(self) -> bool:
+        """The ``distributed`` transport's weight group exists (not yet built, or broken by a failed broadcast)."""
+        return self._group is not None
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight group (servers and trainer side)."""
+        self._destroy_group()
 
     def _destroy_group(self) -> None:
         if self._group is None:
@@ -194,10 +290,10 @@ class RemoteEngine(RolloutEngine):
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def release_memory(self, tags: Optional[List[str]] = None) -> None:
-        self._each(lambda c: c.release_memory_occupation(tags))
+        self._each_available(lambda c: c.release_memory_occupation(tags))
 
     def resume_memory(self, tags: Optional[List[str]] = None) -> None:
-        self._each(lambda c: c.resume_memory_occupation(tags))
+        self._each_available(lambda c: c.resume_memory_occupation(tags))
 
     def health(self) -> EngineHealth:
         ok = self._each(lambda c: c.health())

@@ -75,6 +75,9 @@ class ServerError(RuntimeError):
         super().__init__(message)
         self.url, self.status, self.payload = url, status, payload
 
+    def __reduce__(self):  # picklable (Ray sends a failed actor call's exception to the driver)
+        return type(self), (str(self), self.url, self.status, self.payload)
+
 
 class RequestRejected(ServerError):
     """4xx: the server refused the request (its message is in the exception's text)."""
@@ -127,6 +130,11 @@ class SGLangClient:
         self._lock = threading.Lock()
         self._children: Dict[str, List[str]] = {}  # in-flight request rid -> the rids of its n samples
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sglang-client")
+
+    def with_url(self, url: str) -> "SGLangClient":
+        """A client with this one's settings for another server (a restarted engine's new address)."""
+        return SGLangClient(url, self.timeout_s, self.retry, self.restart, self.is_alive, self.expert_layout,
+                            self.logprob_mode)
 
     # ---- transport ---------------------------------------------------------------------------------
 

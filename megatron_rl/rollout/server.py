@@ -551,6 +551,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="honour sampling_seed (shared by a request's n children; 42 when absent), as SGLang does")
     p.add_argument("--max-batch-rows", type=int, default=64)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="where the engine runs (cpu, cuda, cuda:1, ...)")
     p.add_argument("--max-n", type=int, default=ServerLimits.max_n)
     p.add_argument("--max-request-rows", type=int, default=ServerLimits.max_rows)
     p.add_argument("--max-request-tokens", type=int, default=ServerLimits.max_tokens)
@@ -563,7 +564,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.model_path, EmbeddedEngineConfig(seed=args.random_seed, max_batch_rows=args.max_batch_rows,
                                               seeds="deterministic" if args.enable_deterministic_inference
                                               else "ignored"),
-        dtype=weight_group.dtype_from_name(args.dtype))
+        dtype=weight_group.dtype_from_name(args.dtype), device=args.device)
     torch.set_grad_enabled(False)
     server = EmbeddedServer(engine, args.host, args.port, ServerLimits(args.max_n, args.max_request_rows,
                                                                        args.max_request_tokens),
