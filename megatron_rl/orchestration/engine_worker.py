@@ -6,7 +6,8 @@
   driver's SGLang client path — HTTP generate, weight updates, memory release — run for real over
   loopback.
 * ``sglang``: ``python -m sglang.launch_server`` as a managed child process on the GPUs Ray gave this
-  actor (``CUDA_VISIBLE_DEVICES``), stopped with the actor.
+  actor (``CUDA_VISIBLE_DEVICES``), stopped with the actor. Colocated, the server runs on the GPUs of
+  the trainer ranks beside its TP ranks, which the driver passes to :meth:`EngineWorker.start`.
 
 The driver never talks to the actor for rollouts: it talks HTTP to the URL (one protocol for every
 engine kind, and for ``rollout.engine: remote`` servers nobody here started).
@@ -47,13 +48,14 @@ class EngineWorker:
         self.server = None
         self.process = None
 
-    def start(self) -> str:
-        """Start the server; returns its URL (reachable from the driver and the trainers)."""
+    def start(self, cuda_visible_devices: Optional[str] = None) -> str:
+        """Start the server; returns its URL (reachable from the driver and the trainers).
+        ``cuda_visible_devices``: SGLang's GPUs when they are not (all) this actor's (colocated TP > 1)."""
         spec = self.spec
         if spec.kind == "embedded":
             return self._start_embedded()
         if spec.kind == "sglang":
-            return self._start_sglang()
+            return self._start_sglang(cuda_visible_devices)
         raise ValueError(f"engine kind {spec.kind!r}: expected 'embedded' or 'sglang'")
 
     def _advertised(self, url: str) -> str:
@@ -78,16 +80,17 @@ class EngineWorker:
         self.server = EmbeddedServer(engine, host=spec.host, port=0, model_path=spec.model_path).start()
         return self._advertised(self.server.url)
 
-    def _start_sglang(self) -> str:
+    def _start_sglang(self, cuda_visible_devices: Optional[str] = None) -> str:
         from megatron_rl.rollout.sglang import SGLangServerConfig, launch_sglang_server
 
         spec, s = self.spec, self.spec.sglang
+        env = dict(s.env, **({"CUDA_VISIBLE_DEVICES": cuda_visible_devices} if cuda_visible_devices else {}))
         cfg = SGLangServerConfig(
             model_path=spec.model_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction_static,
             host=spec.host, dtype=s.dtype, random_seed=spec.seed, enable_return_routed_experts=spec.routed_experts,
             enable_memory_saver=s.enable_memory_saver, sampling_backend=s.sampling_backend,
             enable_deterministic_inference=spec.deterministic,
-            extra_args=tuple(s.extra_args), env=dict(s.env), health_timeout_s=s.health_timeout_s,
+            extra_args=tuple(s.extra_args), env=env, health_timeout_s=s.health_timeout_s,
             log_path=os.path.join(spec.log_dir, f"sglang_{spec.index}.log"))
         self.process = launch_sglang_server(cfg)
         return self._advertised(self.process.url)

@@ -8,11 +8,19 @@ weight sync, or the step-0 check that engines and trainer agree on the probe's l
 
 The driver process owns everything that is not a tensor computation over the model: data, rewards,
 advantages, logging. Trainers and engines are only reached through Ray calls and HTTP.
+
+Colocated placement hands each GPU back and forth (SGLang's memory tags; slime and verl use this order):
+after the rollout the engines release everything (``weights``, ``kv_cache``, ``cuda_graph``) and the
+trainer takes back its optimizer state and gradient buffers (``rollout.offload_trainer``); after training
+the trainer offloads them, the engines resume ``weights``, the weights are synced into them, then the
+engines resume ``kv_cache`` and ``cuda_graph`` and the probe check runs (it generates). Resident memory
+at each hand-over is logged as ``memory/{train,sync,rollout}/*`` (the per-rank maximum).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -29,6 +37,7 @@ from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags
 
 
 class Run:
@@ -62,6 +71,8 @@ class Run:
         self._start_data()
         self._start_workers()
         self._restore_or_check()
+        if self._offload_trainer:  # the first rollout runs with the trainer's optimizer state in host memory
+            self.trainers.offload()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))
@@ -134,7 +145,7 @@ class Run:
         trainer_spec, engine_spec = self._specs()
         self._owns_ray = placement.init_ray(cfg.cluster, placement.required_cpus(cfg.cluster, cfg.parallel.world_size, r))
         self.placement = placement.place(cfg.cluster, r, cfg.parallel.world_size, trainer_spec, engine_spec)
-        url_refs = [e.start.remote() for e in self.placement.engines]  # engines load while trainers set up
+        url_refs = self._start_engines()  # engines load while trainers set up
         board = maybe_board(cfg.logging.progress)
         if board is not None:
             self._closers.append(board.close)
@@ -166,6 +177,18 @@ class Run:
 
         self.evaluator = (Evaluator(cfg.eval, self.eval_dataset, self.rollouts, cfg.seed)
                           if self.eval_dataset is not None else None)
+
+    def _start_engines(self) -> list:
+        """Start every engine server (Ray refs of their URLs); colocated SGLang on its trainer ranks' GPUs."""
+        import ray
+
+        from megatron_rl.orchestration.placement import colocated_devices, engine_tp
+
+        r, engines = self.cfg.rollout, self.placement.engines
+        if not (r.engine == "sglang" and r.placement == "colocated"):
+            return [e.start.remote() for e in engines]
+        ids = ray.get([t.device_ids.remote() for t in self.placement.trainers])
+        return [e.start.remote(d) for e, d in zip(engines, colocated_devices(ids, engine_tp(r), len(engines)))]
 
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint
@@ -231,14 +254,21 @@ class Run:
         with self.timer.phase("rollout_wait"):
             return future.result()
 
-    def release_engines(self) -> None:
-        """Colocated: the engines free their memory for the trainer (resumed before the weight sync)."""
-        if self._colocated:
-            with self.timer.phase("engine_memory"):
-                self.engine.release_memory()
-            self._released = True
+    def release_engines(self) -> Dict[str, float]:
+        """Colocated: the engines free all their memory for the trainer, which takes back its optimizer state
+        and gradient buffers (resident memory: ``memory/train/*``). Handed back in :meth:`sync_weights`."""
+        if not self._colocated:
+            return {}
+        with self.timer.phase("engine_memory"):
+            self.engine.release_memory()
+        self._released = True
+        if not self._offload_trainer:
+            return {}
+        with self.timer.phase("trainer_memory"):
+            return self.trainers.reload()
 
     def resume_engines(self) -> None:
+        """Whatever the engines still hold released (nothing after a sync) comes back."""
         if self._released:
             with self.timer.phase("engine_memory"):
                 self.engine.resume_memory()
@@ -247,6 +277,29 @@ class Run:
     @property
     def _colocated(self) -> bool:
         return self.cfg.rollout.placement == "colocated" and bool(self.placement.engines)
+
+    @property
+    def _offload_trainer(self) -> bool:
+        r = self.cfg.rollout
+        on = r.offload_trainer if r.offload_trainer is not None else self.cfg.cluster.gpus_per_trainer > 0
+        return on and self._colocated
+
+    @contextlib.contextmanager
+    def _trainer_state_loaded(self):
+        """The trainer's offloaded state back on its GPUs (a checkpoint saves it) while the idle engines release
+        their KV cache and CUDA graphs (their weights stay: nothing to re-sync)."""
+        if not self._offload_trainer:
+            yield
+            return
+        with self.timer.phase("trainer_memory"):
+            self.engine.release_memory([KV_CACHE, CUDA_GRAPH])
+            self.trainers.reload()
+        try:
+            yield
+        finally:
+            with self.timer.phase("trainer_memory"):
+                self.trainers.offload()
+                self.engine.resume_memory([KV_CACHE, CUDA_GRAPH])
 
     def logprobs(self, tb, step: int) -> Tuple[Any, Any, Dict[str, float]]:
         """Old (and reference) log-probs of the batch under the current weights."""
@@ -289,12 +342,36 @@ class Run:
         return out
 
     def sync_weights(self, step: int) -> Dict[str, float]:
-        with self.timer.phase("weight_sync"):
-            stats = self.trainers.sync_weights(version=step)
+        memory: Dict[str, float] = {}
+        if self._released:
+            stats, memory = self._colocated_sync(step)
+        else:
+            with self.timer.phase("weight_sync"):
+                stats = self.trainers.sync_weights(version=step)
         out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets)}
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
-        return out
+        return {**out, **memory}
+
+    def _colocated_sync(self, step: int):
+        """Trainer state out, engine weights in, the sync, KV cache and CUDA graphs in, then the check (it
+        generates). Returns the sync's stats and the memory resident at each hand-over."""
+        memory: Dict[str, float] = {}
+        if self._offload_trainer:
+            with self.timer.phase("trainer_memory"):
+                memory.update(self.trainers.offload())
+        with self.timer.phase("engine_memory"):
+            self.engine.resume_memory([WEIGHTS])
+        with self.timer.phase("weight_sync"):
+            stats = self.trainers.sync_weights(step, False)
+        with self.timer.phase("engine_memory"):
+            self.engine.resume_memory([KV_CACHE, CUDA_GRAPH])
+            self._released = False
+        if self.cfg.rollout.weight_sync.check:
+            with self.timer.phase("weight_sync"):
+                stats.check = self.trainers.check_weights(f"after syncing version {step}")
+        memory.update(self.trainers.memory("memory/rollout/"))
+        return stats, memory
 
     def evaluate(self, step: int) -> Dict[str, float]:
         e = self.cfg.eval
@@ -319,7 +396,7 @@ class Run:
         # off-policy rollout (our dataclasses) travels pickled, as bytes; it is read back only by _restore
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
                  "pending": None if pending is None else pickle.dumps(pending)}
-        with self.timer.phase("checkpoint"):
+        with self._trainer_state_loaded(), self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
                 self.trainers.save_hf(os.path.join(cfg.output_dir, "hf_final"))
