@@ -7,14 +7,8 @@ checkpoint + the driver's state: step, sampler position, a pending off-policy ro
 weight sync, or the step-0 check that engines and trainer agree on the probe's log-probs.
 
 The driver process owns everything that is not a tensor computation over the model: data, rewards,
-advantages, logging. Trainers and engines are only reached through Ray calls and HTTP.
-
-Colocated placement hands each GPU back and forth (SGLang's memory tags; slime and verl use this order):
-after the rollout the engines release everything (``weights``, ``kv_cache``, ``cuda_graph``) and the
-trainer takes back its optimizer state and gradient buffers (``rollout.offload_trainer``); after training
-the trainer offloads them, the engines resume ``weights``, the weights are synced into them, then the
-engines resume ``kv_cache`` and ``cuda_graph`` and the probe check runs (it generates). Resident memory
-at each hand-over is logged as ``memory/{train,sync,rollout}/*`` (the per-rank maximum).
+advantages, logging. Trainers and engines are only reached through Ray calls and HTTP. Colocated engines
+and trainers hand the GPUs to each other in the order of ``colocation.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
-WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags
 
 
 class Run:
@@ -48,7 +41,7 @@ class Run:
         self.pending: Optional[RolloutBatch] = None  # an off-policy rollout restored from a checkpoint
         self.resumed = False
         self.placement = None
-        self._released = False
+        self.colocation = None  # colocated placement with engines launched here
         self._owns_ray = False
         self._closers = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
@@ -71,8 +64,8 @@ class Run:
         self._start_data()
         self._start_workers()
         self._restore_or_check()
-        if self._offload_trainer:  # the first rollout runs with the trainer's optimizer state in host memory
-            self.trainers.offload()
+        if self.colocation is not None:
+            self.colocation.start()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))
@@ -168,6 +161,12 @@ class Run:
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)
         self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s)
+        if r.placement == "colocated" and self.placement.engines:
+            from megatron_rl.orchestration.colocation import Colocation
+
+            offload = r.offload_trainer if r.offload_trainer is not None else cfg.cluster.gpus_per_trainer > 0
+            self.colocation = Colocation(self.engine, self.trainers, self.timer, offload_trainer=offload,
+                                         check=r.weight_sync.check)
         unit = self.trainers.dp * cfg.train.micro_batch_size
         self.rollouts = RolloutPhase(r, self.engine, self.tokenizer, self.sampler, self.rewards, seed=cfg.seed,
                                      batch_unit=unit, progress_bars=cfg.logging.progress,
@@ -255,51 +254,14 @@ class Run:
             return future.result()
 
     def release_engines(self) -> Dict[str, float]:
-        """Colocated: the engines free all their memory for the trainer, which takes back its optimizer state
-        and gradient buffers (resident memory: ``memory/train/*``). Handed back in :meth:`sync_weights`."""
-        if not self._colocated:
-            return {}
-        with self.timer.phase("engine_memory"):
-            self.engine.release_memory()
-        self._released = True
-        if not self._offload_trainer:
-            return {}
-        with self.timer.phase("trainer_memory"):
-            return self.trainers.reload()
+        """Colocated: the engines free their memory for the trainer, which takes its state back (memory metrics).
+        They get it back in :meth:`sync_weights`."""
+        return self.colocation.to_training() if self.colocation is not None else {}
 
     def resume_engines(self) -> None:
         """Whatever the engines still hold released (nothing after a sync) comes back."""
-        if self._released:
-            with self.timer.phase("engine_memory"):
-                self.engine.resume_memory()
-            self._released = False
-
-    @property
-    def _colocated(self) -> bool:
-        return self.cfg.rollout.placement == "colocated" and bool(self.placement.engines)
-
-    @property
-    def _offload_trainer(self) -> bool:
-        r = self.cfg.rollout
-        on = r.offload_trainer if r.offload_trainer is not None else self.cfg.cluster.gpus_per_trainer > 0
-        return on and self._colocated
-
-    @contextlib.contextmanager
-    def _trainer_state_loaded(self):
-        """The trainer's offloaded state back on its GPUs (a checkpoint saves it) while the idle engines release
-        their KV cache and CUDA graphs (their weights stay: nothing to re-sync)."""
-        if not self._offload_trainer:
-            yield
-            return
-        with self.timer.phase("trainer_memory"):
-            self.engine.release_memory([KV_CACHE, CUDA_GRAPH])
-            self.trainers.reload()
-        try:
-            yield
-        finally:
-            with self.timer.phase("trainer_memory"):
-                self.trainers.offload()
-                self.engine.resume_memory([KV_CACHE, CUDA_GRAPH])
+        if self.colocation is not None:
+            self.colocation.resume()
 
     def logprobs(self, tb, step: int) -> Tuple[Any, Any, Dict[str, float]]:
         """Old (and reference) log-probs of the batch under the current weights."""
@@ -343,8 +305,8 @@ class Run:
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         memory: Dict[str, float] = {}
-        if self._released:
-            stats, memory = self._colocated_sync(step)
+        if self.colocation is not None and self.colocation.released:
+            stats, memory = self.colocation.sync(step)  # the engines' memory comes back around it
         else:
             with self.timer.phase("weight_sync"):
                 stats = self.trainers.sync_weights(version=step)
@@ -352,26 +314,6 @@ class Run:
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
         return {**out, **memory}
-
-    def _colocated_sync(self, step: int):
-        """Trainer state out, engine weights in, the sync, KV cache and CUDA graphs in, then the check (it
-        generates). Returns the sync's stats and the memory resident at each hand-over."""
-        memory: Dict[str, float] = {}
-        if self._offload_trainer:
-            with self.timer.phase("trainer_memory"):
-                memory.update(self.trainers.offload())
-        with self.timer.phase("engine_memory"):
-            self.engine.resume_memory([WEIGHTS])
-        with self.timer.phase("weight_sync"):
-            stats = self.trainers.sync_weights(step, False)
-        with self.timer.phase("engine_memory"):
-            self.engine.resume_memory([KV_CACHE, CUDA_GRAPH])
-            self._released = False
-        if self.cfg.rollout.weight_sync.check:
-            with self.timer.phase("weight_sync"):
-                stats.check = self.trainers.check_weights(f"after syncing version {step}")
-        memory.update(self.trainers.memory("memory/rollout/"))
-        return stats, memory
 
     def evaluate(self, step: int) -> Dict[str, float]:
         e = self.cfg.eval
@@ -396,7 +338,8 @@ class Run:
         # off-policy rollout (our dataclasses) travels pickled, as bytes; it is read back only by _restore
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
                  "pending": None if pending is None else pickle.dumps(pending)}
-        with self._trainer_state_loaded(), self.timer.phase("checkpoint"):
+        loaded = self.colocation.trainer_state_loaded() if self.colocation is not None else contextlib.nullcontext()
+        with loaded, self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
                 self.trainers.save_hf(os.path.join(cfg.output_dir, "hf_final"))

@@ -15,11 +15,12 @@ the call has returned. Two ``load_format`` values:
   (``.to(device)``) into ``model.load_weights``. We share views of one flat buffer, so a bucket is one
   IPC handle (the receiver opens a storage once, whatever the number of views).
 * ``"flattened_bucket"`` (what slime sends): the entry is ``{"flattened_tensor": uint8 [N], "metadata":
-  [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel), ...]}`` (``srt/weight_sync/
-  tensor_bucket.py``: byte offsets; ``reconstruct_tensors`` takes ``flat[start_idx:end_idx].view(dtype)
-  .reshape(shape)``, so each offset must be a multiple of its dtype's size). The metadata objects must be
-  SGLang's class: :class:`FlattenedTensorMetadata` here has its fields and is pickled under its module
-  path, so the producer does not need SGLang installed.
+  [m, ...]}``, each ``m`` read by attribute (``name, shape, dtype, start_idx, end_idx, numel``; byte
+  offsets) into SGLang's ``FlattenedTensorMetadata`` (``_update_weights_from_flattened_bucket``), whose
+  ``reconstruct_tensors`` takes ``flat[start_idx:end_idx].view(dtype).reshape(shape)`` -- so each offset
+  must be a multiple of its dtype's size. SGLang's ``SafeUnpickler`` admits its own class or
+  ``types.SimpleNamespace`` there; we send the latter (the producer needs no SGLang install) and the
+  embedded server reads both.
 
 * CUDA: the device travels as its UUID, not its index (SGLang's ``monkey_patch_torch_reductions``,
   ``srt/utils/patch_torch.py``): two processes with different ``CUDA_VISIBLE_DEVICES`` number the same GPU
@@ -38,34 +39,20 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copyreg
 import io
 import pickle
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 FLATTENED = "flattened_bucket"
 LOAD_FORMATS = (None, FLATTENED)
-_SGLANG_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    """SGLang's ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (same fields, byte offsets).
-    Pickled under SGLang's module path (:class:`_PayloadPickler`), unpickled as SGLang's class there."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int  # bytes
 
 
 def flatten_bucket(named: Sequence[Tuple[str, torch.Tensor]], device: Optional[torch.device] = None
-                   ) -> Tuple[torch.Tensor, List[FlattenedTensorMetadata]]:
+                   ) -> Tuple[torch.Tensor, List[SimpleNamespace]]:
     """A fresh ``uint8`` buffer holding a copy of every tensor (on ``device``, default the first tensor's),
     each at a byte offset aligned to its dtype (SGLang's producer packs them back to back; with one dtype per
     bucket the layouts are identical), and the metadata SGLang reads it with."""
@@ -76,7 +63,8 @@ def flatten_bucket(named: Sequence[Tuple[str, torch.Tensor]], device: Optional[t
         item = t.element_size()
         offset += -offset % item
         size = t.numel() * item
-        metas.append(FlattenedTensorMetadata(name, torch.Size(t.shape), t.dtype, offset, offset + size, size))
+        metas.append(SimpleNamespace(name=name, shape=torch.Size(t.shape), dtype=t.dtype, start_idx=offset,
+                                     end_idx=offset + size, numel=size))
         offset += size
     flat = torch.empty(offset, dtype=torch.uint8, device=device if device is not None else named[0][1].device)
     for (_, t), m in zip(named, metas):
@@ -84,7 +72,7 @@ def flatten_bucket(named: Sequence[Tuple[str, torch.Tensor]], device: Optional[t
     return flat, metas
 
 
-def view_of(flat: torch.Tensor, meta: FlattenedTensorMetadata) -> torch.Tensor:
+def view_of(flat: torch.Tensor, meta: SimpleNamespace) -> torch.Tensor:
     """Tensor ``meta`` inside ``flat`` (what SGLang's ``FlattenedTensorBucket.reconstruct_tensors`` does)."""
     return flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)
 
@@ -98,35 +86,9 @@ def _reduce_cuda_by_uuid(tensor: torch.Tensor):
     from torch.multiprocessing import reductions
 
     rebuild, args = reductions.reduce_tensor(tensor)
-    if rebuild is reductions.rebuild_cuda_tensor:
+    if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[6], int):  # (not if SGLang patched torch here)
         args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
     return rebuild, args
-
-
-class _PayloadPickler(pickle._Pickler):
-    """``ForkingPickler``'s reducers (torch's sharing of tensors by handle) on the pure-Python pickler, whose
-    ``save_global`` can write :class:`FlattenedTensorMetadata` under SGLang's module path without importing
-    SGLang (the C pickler insists the class be importable there). Payloads are handles, not data: small."""
-
-    def __init__(self, file, cuda: bool):
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401  (registers torch's reducers with ForkingPickler)
-
-        super().__init__(file, protocol=4)
-        self.dispatch_table = {**copyreg.dispatch_table, **ForkingPickler._extra_reducers}
-        if cuda:
-            self.dispatch_table[torch.Tensor] = _reduce_cuda_by_uuid
-            self.dispatch_table[torch.nn.Parameter] = _reduce_cuda_by_uuid
-
-    def save_global(self, obj, name=None):
-        if obj is FlattenedTensorMetadata:
-            self.save(_SGLANG_BUCKET_MODULE)
-            self.save("FlattenedTensorMetadata")
-            self.write(pickle.STACK_GLOBAL)
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
 
 
 @contextlib.contextmanager
@@ -142,9 +104,18 @@ def _file_system_sharing():
 
 
 def _dump(obj: Any, cuda: bool) -> str:
+    """base64 of ``MultiprocessingSerializer.serialize(obj)``: ``ForkingPickler``, CUDA devices by UUID."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers with ForkingPickler)
+
     buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    if cuda:
+        pickler.dispatch_table[torch.Tensor] = _reduce_cuda_by_uuid
+        pickler.dispatch_table[torch.nn.Parameter] = _reduce_cuda_by_uuid
     with _file_system_sharing():
-        _PayloadPickler(buf, cuda).dump(obj)
+        pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -161,7 +132,6 @@ class Payload:
 
     text: str
     keepalive: torch.Tensor
-    nbytes: int
 
 
 def encode_bucket(named: Sequence[Tuple[str, torch.Tensor]], load_format: Optional[str] = FLATTENED,
@@ -177,7 +147,12 @@ def encode_bucket(named: Sequence[Tuple[str, torch.Tensor]], load_format: Option
         text = _dump({"flattened_tensor": flat, "metadata": metas}, flat.is_cuda)
     else:
         text = serialize_named_tensors([(m.name, view_of(flat, m)) for m in metas])
-    return Payload(text, flat, flat.numel())
+    return Payload(text, flat)
+
+
+def request_body(payloads: Sequence[str], load_format: Optional[str]) -> Dict[str, Any]:
+    """The ``/update_weights_from_tensor`` body: one payload per TP rank; the cache is flushed once per sync."""
+    return dict(serialized_named_tensors=list(payloads), load_format=load_format, flush_cache=False)
 
 
 # ---- receiver (the embedded server) -----------------------------------------------------------------------
@@ -200,7 +175,7 @@ def _rebuild_cuda_tensor_by_uuid(*args):
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
 _ALLOWED = {
-    ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("builtins", "str"), ("builtins", "int"),
+    ("types", "SimpleNamespace"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("builtins", "str"), ("builtins", "int"),
     ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
     ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
     ("torch", "UntypedStorage"), ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
@@ -211,7 +186,7 @@ _ALLOWED = {
 _MAPPED: Dict[Tuple[str, str], Callable] = {
     (_REDUCTIONS, "rebuild_cuda_tensor"): _rebuild_cuda_tensor_by_uuid,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor_by_uuid,
-    (_SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): SimpleNamespace,  # read by attribute
 }
 
 
@@ -236,10 +211,11 @@ def decode_payload(payload: str, load_format: Optional[str]) -> List[Tuple[str, 
     obj = _load(payload)
     if load_format == FLATTENED:
         flat, metas = (obj.get("flattened_tensor"), obj.get("metadata")) if isinstance(obj, dict) else (None, None)
+        fields = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
         if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.uint8 and isinstance(metas, list)
-                and all(isinstance(m, FlattenedTensorMetadata) for m in metas)):
-            raise ValueError("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': "
-                             "[FlattenedTensorMetadata, ...]}")
+                and all(isinstance(m, SimpleNamespace) and all(hasattr(m, f) for f in fields) for m in metas)):
+            raise ValueError("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [entries "
+                             f"with {', '.join(fields)}]}}")
         named = [(m.name, view_of(flat, m)) for m in metas]
     else:
         named = obj
