@@ -4,6 +4,7 @@
                      (rank 0 drives it over HTTP), checkpoints
   engine_worker.py   EngineWorker: an SGLang server (GPU) or our embedded server (CPU), returns its URL
   placement.py       Ray start-up; placement groups for colocated / disaggregated runs
+  colocation.py      Colocation: who holds each GPU when (SGLang memory tags, trainer offload, memory metrics)
   trainer_group.py   TrainerGroup: one call -> every rank, data-parallel shards in, one result out
   rollout.py         rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics

@@ -11,7 +11,7 @@ With ``rollout.off_policy=1`` the next step's rollout is started before this ste
 for before the weight sync, so it runs on the previous weights while the trainer works (one step
 stale; the decoupled loss and rollout correction account for it). Colocated engines hand their memory
 to the trainer between the rollout and the sync, and take it back piece by piece around the sync
-(``run.py``).
+(``colocation.py``).
 """
 
 from __future__ import annotations

@@ -216,7 +216,6 @@ class TrainerWorker:
         from megatron_rl.training.checkpoint import load_checkpoint
 
         self._require_loaded("load_checkpoint")
-
         result = load_checkpoint(self.trainer, root)
         return result if self.rank == 0 else None
 
