@@ -143,8 +143,8 @@ def _colocated_sglang(cfg: RunConfig, out: List[str]) -> None:
                    "(--enable-memory-saver): without it SGLang cannot release its weights, KV cache and CUDA graphs "
                    "while the trainer runs")
     if r.num_engines * s.tp_size > p.world_size:
-        out.append(f"rollout.num_engines={r.num_engines} colocated SGLang servers of rollout.sglang.tp_size={s.tp_size} "
-                   f"GPUs need {r.num_engines * s.tp_size} trainer GPUs, but parallel.world_size={p.world_size}; "
+        out.append(f"rollout.num_engines={r.num_engines} colocated SGLang servers of rollout.sglang.tp_size="
+                   f"{s.tp_size} GPUs need {r.num_engines * s.tp_size} trainer GPUs, but parallel.world_size={p.world_size}; "
                    "lower num_engines or tp_size, or use placement=disaggregated")
     if cfg.cluster.gpus_per_trainer != 1:
         out.append(f"rollout.engine='sglang' with placement='colocated' shares each trainer rank's GPU with one "

@@ -63,9 +63,9 @@ class Run:
         self._prepare_output_dir()
         self._start_data()
         self._start_workers()
-        self._restore_or_check()
-        if self.colocation is not None:
+        if self.colocation is not None:  # the trainer's optimizer state to host memory before any rollout
             self.colocation.start()
+        self._restore_or_check()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))
@@ -197,7 +197,8 @@ class Run:
         if cfg.resume and path is None:
             logger.warning("resume=true but %s holds no checkpoint: starting a new run", cfg.checkpoint_root)
         if path is not None:
-            loaded = self.trainers.load_checkpoint(cfg.checkpoint_root)
+            with self._trainer_state_loaded():
+                loaded = self.trainers.load_checkpoint(cfg.checkpoint_root)
             state = loaded.extra["driver"]
             if state.get("version") != STATE_VERSION:
                 raise ValueError(f"{path}: driver state version {state.get('version')} != {STATE_VERSION}")
@@ -257,6 +258,10 @@ class Run:
         """Colocated: the engines free their memory for the trainer, which takes its state back (memory metrics).
         They get it back in :meth:`sync_weights`."""
         return self.colocation.to_training() if self.colocation is not None else {}
+
+    def _trainer_state_loaded(self):
+        """Colocated: the trainer's offloaded state on its GPUs (checkpoints read and write it)."""
+        return self.colocation.trainer_state_loaded() if self.colocation is not None else contextlib.nullcontext()
 
     def resume_engines(self) -> None:
         """Whatever the engines still hold released (nothing after a sync) comes back."""
@@ -338,8 +343,7 @@ class Run:
         # off-policy rollout (our dataclasses) travels pickled, as bytes; it is read back only by _restore
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
                  "pending": None if pending is None else pickle.dumps(pending)}
-        loaded = self.colocation.trainer_state_loaded() if self.colocation is not None else contextlib.nullcontext()
-        with loaded, self.timer.phase("checkpoint"):
+        with self._trainer_state_loaded(), self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
                 self.trainers.save_hf(os.path.join(cfg.output_dir, "hf_final"))

@@ -175,9 +175,9 @@ def _rebuild_cuda_tensor_by_uuid(*args):
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
 _ALLOWED = {
-    ("types", "SimpleNamespace"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("builtins", "str"), ("builtins", "int"),
-    ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("torch", "Tensor"),
-    ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    ("types", "SimpleNamespace"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"),
+    ("builtins", "str"), ("builtins", "int"), ("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"),
+    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
     ("torch", "UntypedStorage"), ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_parameter"), (_REDUCTIONS, "rebuild_tensor"), (_REDUCTIONS, "rebuild_storage_filename"),
     (_REDUCTIONS, "rebuild_storage_empty"), (_REDUCTIONS, "rebuild_typed_storage"),

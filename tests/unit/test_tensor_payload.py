@@ -43,7 +43,8 @@ def test_flattened_layout_is_sglangs():
     assert flat.dtype == torch.uint8 and flat.numel() == metas[-1].end_idx
     for (name, t), m in zip(named, metas):
         assert m.name == name and m.shape == t.shape and m.dtype == t.dtype
-        assert m.start_idx % t.element_size() == 0 and m.end_idx - m.start_idx == m.numel == t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        assert m.start_idx % t.element_size() == 0 and m.end_idx - m.start_idx == m.numel == nbytes
         assert torch.equal(tp.view_of(flat, m), t)
     # bf16 [3] ends at byte 90: the next fp32 tensor starts at 92, the int64 one at 216 (not 212)
     assert [m.start_idx for m in metas] == [0, 84, 92, 216, 224]
@@ -79,7 +80,8 @@ def test_sglangs_own_metadata_class_is_read(monkeypatch):
         def __init__(self, **kw):
             self.__dict__.update(kw)
 
-    FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = module.__name__, "FlattenedTensorMetadata"
+    FlattenedTensorMetadata.__module__ = module.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
     module.FlattenedTensorMetadata = FlattenedTensorMetadata
     for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):  # no SGLang here: stand-in packages
         monkeypatch.setitem(sys.modules, parent, sys.modules.get(parent) or types.ModuleType(parent))
