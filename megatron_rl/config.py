@@ -77,7 +77,7 @@ class SGLangConfig:
     mem_fraction_static: float = 0.8
     dtype: str = "auto"
     sampling_backend: Optional[str] = None  # --sampling-backend (None: SGLang's choice)
-    enable_memory_saver: bool = False
+    enable_memory_saver: bool = False  # --enable-memory-saver: required with rollout.placement=colocated
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
     health_timeout_s: float = 900.0
