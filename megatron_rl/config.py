@@ -96,7 +96,7 @@ class SGLangConfig:
     mem_fraction_static: float = 0.8
     dtype: str = "auto"
     sampling_backend: Optional[str] = None  # --sampling-backend (None: SGLang's choice)
-    enable_memory_saver: bool = False
+    enable_memory_saver: bool = False  # --enable-memory-saver: required with rollout.placement=colocated
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
     health_timeout_s: float = 900.0
@@ -151,10 +151,16 @@ class RolloutConfig:
                             launched engines get; ``remote`` servers are checked at start-up). None: as ``seeded``.
                             SGLang's seeded sampler refuses ``min_p > 0``.
     weight_transport:       ``tensor`` (safetensors over HTTP; embedded servers only), ``distributed`` (HTTP
-                            announce + torch.distributed broadcast; SGLang) or ``auto`` (``tensor`` for embedded
-                            engines, else ``distributed``).
-    placement:              ``colocated`` (engines share the trainers' placement-group bundles and release
-                            their memory while the trainer runs) or ``disaggregated`` (own bundles).
+                            announce + torch.distributed broadcast; SGLang), ``ipc`` (colocated engines: every
+                            trainer rank beside an engine TP rank hands over its own copy by handle -- CUDA IPC,
+                            shared-memory files on CPU -- in SGLang's ``/update_weights_from_tensor`` format) or
+                            ``auto`` (``ipc`` for colocated SGLang, ``tensor`` for embedded engines, else
+                            ``distributed``).
+    placement:              ``colocated`` (engines share the trainers' placement-group bundles -- an SGLang server
+                            of TP size k the GPUs of k consecutive trainer ranks -- and release their memory
+                            while the trainer runs) or ``disaggregated`` (own bundles).
+    offload_trainer:        colocated: move the trainer's optimizer state and gradient buffers to host memory
+                            while the engines run (``training/offload.py``). None: on when trainers have GPUs.
     off_policy:             0: synchronous; 1: the next step's rollout overlaps this step's training (one
                             step stale; the decoupled / rollout-correction loss handles it).
     embedded_dtype:         the embedded engine's weights: ``float32``, or ``bfloat16`` like a production
@@ -180,8 +186,9 @@ class RolloutConfig:
     host: str = "127.0.0.1"  # where engine workers bind their servers ("0.0.0.0" on multi-node clusters)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    weight_transport: Literal["auto", "tensor", "distributed"] = "auto"
+    weight_transport: Literal["auto", "tensor", "distributed", "ipc"] = "auto"
     placement: Literal["colocated", "disaggregated"] = "colocated"
+    offload_trainer: Optional[bool] = None
     off_policy: int = 0
     embedded_dtype: Literal["float32", "bfloat16"] = "float32"
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -202,6 +209,8 @@ class RolloutConfig:
     def transport(self) -> str:
         if self.weight_transport != "auto":
             return self.weight_transport
+        if self.engine == "sglang" and self.placement == "colocated":
+            return "ipc"
         return "tensor" if self.engine == "embedded" else "distributed"
 
 

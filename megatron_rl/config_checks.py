@@ -86,13 +86,21 @@ def _rollout(cfg: RunConfig, out: List[str]) -> None:
     if r.off_policy and r.placement == "colocated":
         out.append("rollout.off_policy=1 overlaps the next rollout with training, but rollout.placement='colocated' "
                    "engines release their memory while the trainer runs; set rollout.placement=disaggregated")
-    if r.placement == "colocated" and r.engine != "remote" and r.num_engines > p.world_size:
+    if r.placement == "colocated" and r.engine == "embedded" and r.num_engines > p.world_size:
         out.append(f"rollout.num_engines={r.num_engines} colocated engines need as many trainer bundles, but "
                    f"parallel.world_size={p.world_size}; lower num_engines or use placement=disaggregated")
+    if r.transport == "ipc" and r.placement != "colocated":
+        out.append("rollout.weight_transport='ipc' hands each engine TP rank a handle to the memory of the trainer "
+                   "rank on its GPU: it needs rollout.placement=colocated (disaggregated engines: 'distributed')")
+    if r.transport == "ipc" and r.engine == "remote":
+        out.append("rollout.weight_transport='ipc' needs engines this run places beside its trainer ranks (engine "
+                   "'sglang' or 'embedded'); remote servers take 'distributed'")
+    if r.offload_trainer and r.placement != "colocated":
+        out.append("rollout.offload_trainer=true frees the trainer's GPU memory for colocated engines, but "
+                   "rollout.placement='disaggregated' engines have their own GPUs; set offload_trainer=false")
     if r.engine == "sglang":
         if r.placement == "colocated":
-            out.append("rollout.engine='sglang' with placement='colocated' would need CUDA-IPC weight updates, which "
-                       "are not implemented (the NCCL weight group cannot share a GPU); use placement=disaggregated")
+            _colocated_sglang(cfg, out)
         if r.weight_transport == "tensor":
             out.append("rollout.weight_transport='tensor' sends safetensors buckets, which only the embedded server "
                        "accepts; use 'distributed' (or 'auto') with SGLang")
@@ -128,6 +136,27 @@ def _rollout(cfg: RunConfig, out: List[str]) -> None:
                    "score tokens under the distribution they were sampled from; set both to the same value")
     if not t_roll > 0:
         out.append(f"rollout.sampling.temperature={t_roll}: RL rollouts must sample (> 0); greedy is for eval.greedy")
+
+
+def _colocated_sglang(cfg: RunConfig, out: List[str]) -> None:
+    """Engine ``e``'s TP rank ``i`` runs on the GPU of trainer rank ``e * tp_size + i`` and takes its weights
+    from that rank by CUDA IPC; the engines release their memory while the trainer runs."""
+    r, p, s = cfg.rollout, cfg.parallel, cfg.rollout.sglang
+    if r.transport != "ipc":
+        out.append(f"rollout.engine='sglang' with placement='colocated' takes its weights by CUDA IPC from the trainer "
+                   f"rank on each GPU (weight_transport 'ipc' or 'auto'), not {r.weight_transport!r}: a NCCL weight "
+                   "group cannot hold a trainer rank and an engine rank of the same GPU")
+    if not s.enable_memory_saver:
+        out.append("rollout.engine='sglang' with placement='colocated' needs rollout.sglang.enable_memory_saver=true "
+                   "(--enable-memory-saver): without it SGLang cannot release its weights, KV cache and CUDA graphs "
+                   "while the trainer runs")
+    if r.num_engines * s.tp_size > p.world_size:
+        out.append(f"rollout.num_engines={r.num_engines} colocated SGLang servers of rollout.sglang.tp_size="
+                   f"{s.tp_size} GPUs need {r.num_engines * s.tp_size} trainer GPUs, but parallel.world_size={p.world_size}; "
+                   "lower num_engines or tp_size, or use placement=disaggregated")
+    if cfg.cluster.gpus_per_trainer != 1:
+        out.append(f"rollout.engine='sglang' with placement='colocated' shares each trainer rank's GPU with one "
+                   f"engine TP rank: set cluster.gpus_per_trainer=1 (got {cfg.cluster.gpus_per_trainer})")
 
 
 def _objective(cfg: RunConfig, out: List[str]) -> None:

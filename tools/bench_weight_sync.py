@@ -10,6 +10,9 @@ the trainer's weights are synced, from rank 0, to:
   http            an EmbeddedServer on loopback (a thread of rank 0's process) via RemoteEngine,
                   /update_weights_from_tensor (base64 safetensors buckets)
   http+gloo       the same server via /update_weights_from_distributed + a gloo broadcast
+  ipc             the same server, emulating SGLang with TP = the trainer's TP, via the colocated transport:
+                  every rank posts its own copy by handle in SGLang's /update_weights_from_tensor format
+                  (flattened_bucket; shared-memory files on CPU where a GPU passes CUDA-IPC handles)
 
 and compared with a plain in-memory copy of every HF tensor into a preallocated state dict
 (``copy_``, same process): "x copy" = sync seconds / copy seconds. Sync times exclude the post-sync
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_rl.testing import run_distributed  # noqa: E402
 
-TARGETS = ("embedded", "embedded-bf16", "http", "http+gloo")
+TARGETS = ("embedded", "embedded-bf16", "http", "http+gloo", "ipc")
 
 
 def make_checkpoint(path: str, hidden: int) -> str:
@@ -71,24 +74,33 @@ def _reset_peak() -> int:
     return _rss("VmRSS")
 
 
-def _engine(target: str, path: str, sender: bool, cleanup: list):
+def _engine(target: str, path: str, sender: bool, cleanup: list, tp: int):
+    """(the sender's engine, every rank's transport: None but for ``ipc``)."""
+    import torch.distributed as dist
+
     from megatron_rl.rollout.balancer import RemoteEngine
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.http_client import SGLangClient
+    from megatron_rl.rollout.ipc_transport import IpcTransport
     from megatron_rl.rollout.server import EmbeddedServer
 
-    if not sender:
-        return None
-    dtype = torch.bfloat16 if target == "embedded-bf16" else torch.float32
-    local = EmbeddedEngine.from_pretrained(path, dtype=dtype)
-    if target.startswith("embedded"):
-        return local
-    server = EmbeddedServer(local).start()
-    cleanup.append(server.stop)
-    remote = RemoteEngine([SGLangClient(server.url)], weight_transport="distributed" if "gloo" in target else "tensor")
-    if "gloo" in target:
-        remote.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=120)
-    return remote
+    remote, url = None, [None]
+    if sender:
+        dtype = torch.bfloat16 if target == "embedded-bf16" else torch.float32
+        local = EmbeddedEngine.from_pretrained(path, dtype=dtype)
+        if target.startswith("embedded"):
+            return local, None
+        server = EmbeddedServer(local, tp_size=tp if target == "ipc" else 1).start()
+        cleanup.append(server.stop)
+        url = [server.url]
+        transport = "distributed" if "gloo" in target else "tensor"
+        remote = RemoteEngine([SGLangClient(server.url)], weight_transport=transport)
+        if "gloo" in target:
+            remote.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=120)
+    if target != "ipc":
+        return remote, None
+    dist.broadcast_object_list(url, src=0)
+    return remote, IpcTransport(url)
 
 
 def _copy_baseline(built, repeats: int) -> dict:
@@ -121,9 +133,10 @@ def child(path: str, tp: int, bucket_mb: float, repeats: int, targets) -> dict:
     for target in targets:
         cleanup: list = []
         try:
-            engine = _engine(target, path, sender, cleanup)
+            engine, transport = _engine(target, path, sender, cleanup, tp)
             tol = 0.25 if target == "embedded-bf16" else 1e-4  # bf16 engine vs fp32 trainer
-            timed = WeightSync(built, engine, WeightSyncConfig(bucket_mb=bucket_mb, check=False, progress=False))
+            timed = WeightSync(built, engine, WeightSyncConfig(bucket_mb=bucket_mb, check=False, progress=False),
+                               transport=transport)
             runs, peak = [], 0
             for i in range(repeats + 1):  # the first run warms up (allocator, sockets, the engine's first
                 dist.barrier()             # writes into its weights, which from_pretrained may have mmapped)
@@ -133,7 +146,7 @@ def child(path: str, tp: int, bucket_mb: float, repeats: int, targets) -> dict:
                     peak = max(peak, _rss("VmHWM") - base)
                 runs.append(stats)
             checked = WeightSync(built, engine, WeightSyncConfig(bucket_mb=bucket_mb, check_tolerance=tol,
-                                                                 progress=False)).sync(version="checked")
+                                                                 progress=False), transport=transport).sync("checked")
             last = runs[-1]
             out[target] = dict(seconds=statistics.median(r.seconds for r in runs[1:]),
                                gather_seconds=statistics.median(r.gather_seconds for r in runs[1:]),

@@ -6,6 +6,7 @@
                      URL, exit status, kill, restart on a fresh port
   engine_health.py   EngineMonitor: dead or hung engines restarted, re-synced, re-admitted after the probe check
   placement.py       Ray start-up; placement groups for colocated / disaggregated runs
+  colocation.py      Colocation: who holds each GPU when (SGLang memory tags, trainer offload, memory metrics)
   trainer_group.py   TrainerGroup: one call -> every rank, data-parallel shards in, one result out
   rollout.py         rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics

@@ -10,7 +10,8 @@
 With ``rollout.off_policy=1`` the next step's rollout is started before this step trains and is waited
 for before the weight sync, so it runs on the previous weights while the trainer works (one step
 stale; the decoupled loss and rollout correction account for it). Colocated engines hand their memory
-to the trainer between the rollout and the sync.
+to the trainer between the rollout and the sync, and take it back piece by piece around the sync
+(``colocation.py``).
 
 SIGTERM/SIGINT stop the loop (:mod:`.signals`: at once, or after checkpointing the step with
 ``checkpoint.on_signal``). The loop warns about steps that changed nothing (no batch, a skipped optimizer
@@ -53,16 +54,16 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
                 logger.warning("step %d skipped: %s", step, batch.skipped)
                 metrics["train/skipped_empty_batch"] = 1.0
             else:
-                run.release_engines()
+                metrics.update(run.release_engines())
                 tb, fwd, m_logprobs = run.logprobs(train_batch(batch.groups, run.routing), step)
                 tb, m_adv = run.advantages(tb, fwd, batch, step)
                 metrics.update(m_logprobs, **m_adv, **run.train(tb, step))
                 warn_numerics(step, metrics)
                 metrics.update(run.gain(tb, batch, step))  # diagnostics.gain: a forward under the new weights
             pending = run.wait(next_rollout)
-            run.resume_engines()
             if not batch.skipped:
-                metrics.update(run.sync_weights(step))
+                metrics.update(run.sync_weights(step))  # colocated: also gives the engines their memory back
+            run.resume_engines()
             metrics.update(run.evaluate(step))
             stopping = stop.requested is not None
             saved = run.checkpoint(step, pending, metrics, force=stopping)

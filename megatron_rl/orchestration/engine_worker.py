@@ -15,6 +15,9 @@ The embedded server used to run inside this actor's process; as a child it costs
 start (measured in the engine-recovery report: about the same start-up, ~no memory difference since the
 actor itself then imports no torch) and buys a server that can die and come back without the actor.
 
+Colocated, an SGLang server runs on the GPUs of the trainer ranks beside its TP ranks, which the driver
+passes to :meth:`EngineWorker.start`.
+
 The driver never talks to the actor for rollouts: it talks HTTP to the URL (one protocol for every
 engine kind, and for ``rollout.engine: remote`` servers nobody here started).
 """
@@ -49,10 +52,13 @@ class EngineWorker:
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self.process = None  # the ManagedServer
+        self.devices: Optional[str] = None
 
-    def start(self) -> str:
-        """Start the server; returns its URL (reachable from the driver and the trainers)."""
+    def start(self, cuda_visible_devices: Optional[str] = None) -> str:
+        """Start the server; returns its URL (reachable from the driver and the trainers).
+        ``cuda_visible_devices``: SGLang's GPUs when they are not (all) this actor's (colocated TP > 1)."""
         spec = self.spec
+        self.devices = cuda_visible_devices  # kept for restarts
         if spec.kind == "embedded":
             self.process = self._launch_embedded()
         elif spec.kind == "sglang":
@@ -95,8 +101,8 @@ class EngineWorker:
             host=spec.host, dtype=s.dtype, random_seed=spec.seed, enable_return_routed_experts=spec.routed_experts,
             enable_memory_saver=s.enable_memory_saver, sampling_backend=s.sampling_backend,
             enable_deterministic_inference=spec.deterministic,
-            extra_args=tuple(s.extra_args), env=dict(s.env), health_timeout_s=s.health_timeout_s,
-            log_path=self.log_path)
+            extra_args=tuple(s.extra_args), health_timeout_s=s.health_timeout_s, log_path=self.log_path,
+            env=dict(s.env, **({"CUDA_VISIBLE_DEVICES": self.devices} if self.devices else {})))
         return launch_sglang_server(cfg)
 
     # ---- recovery (engine_health.py) ----------------------------------------------------------------
@@ -125,7 +131,7 @@ class EngineWorker:
         """SIGKILL what is left of the server and launch it again, on a fresh port; returns the new URL once
         ``/health`` passes (``ServerLaunchError`` with the log tail if it does not)."""
         self.kill()
-        return self.start()
+        return self.start(self.devices)
 
     def stop(self) -> None:
         if self.process is not None:

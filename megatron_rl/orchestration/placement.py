@@ -2,8 +2,10 @@
 
 * ``colocated``: one placement group of ``world_size`` bundles ``{CPU: cpus_per_trainer, GPU:
   gpus_per_trainer}``; trainer rank ``i`` takes half of bundle ``i`` and engine ``i`` (if any) the other
-  half — on GPUs that is Ray's fractional-GPU sharing, both processes see the same device. The driver
-  releases the engines' memory while the trainer runs and resumes it before the weight sync.
+  half — on GPUs that is Ray's fractional-GPU sharing, both processes see the same device. An SGLang
+  server of TP size ``k`` is engine ``e`` on bundle ``e * k`` and runs on the GPUs of trainer ranks
+  ``e * k .. e * k + k - 1`` (:func:`colocated_devices`; one node). The driver releases the engines'
+  memory while the trainer runs and resumes it around the weight sync (``run.py``).
 * ``disaggregated``: the trainers' placement group as above (whole bundles) plus one for the engines,
   ``num_engines`` bundles ``{CPU: cpus_per_engine, GPU: gpus_per_engine}`` (an SGLang server with
   ``tp_size`` GPUs takes one bundle of that many GPUs).
@@ -22,7 +24,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_rl.config import ClusterConfig, RolloutConfig
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
@@ -189,9 +191,29 @@ def place(cluster: ClusterConfig, rollout: RolloutConfig, world_size: int, train
                                  name="megatron_rl_engines")
             _ready(pg, "rollout engine bundles")
             groups.append(pg)
+        stride = engine_tp(rollout) if colocated else 1
         for i in range(rollout.num_engines):
             spec = EngineSpec(**{**engine_spec.__dict__, "index": i})
             engines.append(engine_cls.options(
-                num_cpus=cpus, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote(spec))
+                num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i * stride)).remote(spec))
     return Placement(trainers=trainers, engines=engines, groups=groups)
+
+
+def engine_tp(rollout: RolloutConfig) -> int:
+    """GPUs (trainer ranks, when colocated) per engine."""
+    return rollout.sglang.tp_size if rollout.engine == "sglang" else 1
+
+
+def colocated_devices(device_ids: List[Tuple[str, List[str]]], tp: int, num_engines: int) -> List[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each colocated engine: the GPUs of trainer ranks ``e * tp .. e * tp + tp - 1``
+    (``device_ids[r]``: rank ``r``'s node and GPU ids, ``TrainerWorker.device_ids``), in rank order, so SGLang
+    TP rank ``i`` shares trainer rank ``e * tp + i``'s GPU."""
+    out = []
+    for e in range(num_engines):
+        ranks = list(range(e * tp, (e + 1) * tp))
+        if len({device_ids[r][0] for r in ranks}) > 1:
+            raise RuntimeError(f"colocated engine {e} spans trainer ranks {ranks} on several nodes: a server's TP "
+                               "ranks must share a node; make rollout.sglang.tp_size divide the GPUs per node")
+        out.append(",".join(g for r in ranks for g in device_ids[r][1]))
+    return out

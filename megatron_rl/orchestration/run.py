@@ -13,12 +13,14 @@ Close: the workers are asked to stop (after a failure only briefly: a rank may h
 then killed; a local Ray is shut down and its parent-death guard released.
 
 The driver process owns everything that is not a tensor computation over the model: data, rewards,
-advantages, logging. Trainers and engines are only reached through Ray calls and HTTP.
+advantages, logging. Trainers and engines are only reached through Ray calls and HTTP. Colocated engines
+and trainers hand the GPUs to each other in the order of ``colocation.py``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -46,11 +48,11 @@ class Run:
         self.pending: Optional[RolloutBatch] = None  # an off-policy rollout restored from a checkpoint
         self.resumed = False
         self.placement = None
-        self._released = False
         self._local_ray = None  # the local Ray this run started (placement.LocalRay)
         self._replay_row: Optional[Dict[str, float]] = None  # the resumed step's metrics line, from the checkpoint
         self._release_hold = None
         self.recovery = None  # the EngineMonitor, when engines are launched here and rollout.recovery.enabled
+        self.colocation = None  # colocated placement with engines launched here
         self._closers = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
 
@@ -71,6 +73,8 @@ class Run:
         os.makedirs(cfg.output_dir, exist_ok=True)
         self._start_data()
         self._start_workers()
+        if self.colocation is not None:  # the trainer's optimizer state to host memory before any rollout
+            self.colocation.start()
         self._restore_or_check()
         self._prepare_output_dir()
         self._start_recovery()
@@ -154,7 +158,7 @@ class Run:
         trainer_spec, engine_spec = self._specs()
         self._local_ray = placement.init_ray(cfg.cluster, placement.required_cpus(cfg.cluster, cfg.parallel.world_size, r))
         self.placement = placement.place(cfg.cluster, r, cfg.parallel.world_size, trainer_spec, engine_spec)
-        url_refs = [e.start.remote() for e in self.placement.engines]  # engines load while trainers set up
+        url_refs = self._start_engines()  # engines load while trainers set up
         board = maybe_board(cfg.logging.progress)
         if board is not None:
             self._closers.append(board.close)
@@ -177,6 +181,12 @@ class Run:
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)
         self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s)
+        if r.placement == "colocated" and self.placement.engines:
+            from megatron_rl.orchestration.colocation import Colocation
+
+            offload = r.offload_trainer if r.offload_trainer is not None else cfg.cluster.gpus_per_trainer > 0
+            self.colocation = Colocation(self.engine, self.trainers, self.timer, offload_trainer=offload,
+                                         check=r.weight_sync.check)
         unit = self.trainers.dp * cfg.train.micro_batch_size
         self.rollouts = RolloutPhase(r, self.engine, self.tokenizer, self.sampler, self.rewards, seed=cfg.seed,
                                      batch_unit=unit, progress_bars=cfg.logging.progress,
@@ -187,6 +197,18 @@ class Run:
         self.evaluator = (Evaluator(cfg.eval, self.eval_datasets, self.rollouts, cfg.seed)
                           if self.eval_datasets else None)
 
+    def _start_engines(self) -> list:
+        """Start every engine server (Ray refs of their URLs); colocated SGLang on its trainer ranks' GPUs."""
+        import ray
+
+        from megatron_rl.orchestration.placement import colocated_devices, engine_tp
+
+        r, engines = self.cfg.rollout, self.placement.engines
+        if not (r.engine == "sglang" and r.placement == "colocated"):
+            return [e.start.remote() for e in engines]
+        ids = ray.get([t.device_ids.remote() for t in self.placement.trainers])
+        return [e.start.remote(d) for e, d in zip(engines, colocated_devices(ids, engine_tp(r), len(engines)))]
+
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint
 
@@ -195,7 +217,8 @@ class Run:
         if cfg.resume and path is None:
             logger.warning("resume=true but %s holds no checkpoint: starting a new run", cfg.checkpoint_root)
         if path is not None:
-            loaded = self.trainers.load_checkpoint(cfg.checkpoint_root, cfg.resume_step)
+            with self._trainer_state_loaded():
+                loaded = self.trainers.load_checkpoint(cfg.checkpoint_root, cfg.resume_step)
             path = loaded.path
             state = loaded.extra["driver"]
             if state.get("version") != STATE_VERSION:
@@ -221,8 +244,13 @@ class Run:
         from megatron_rl.orchestration import engine_health
 
         self._kill_plan = engine_health.kill_plan(os.environ.get(engine_health.KILL_ENV))
-        if not (self.cfg.rollout.recovery.enabled and self.placement.engines):
+        r = self.cfg.rollout
+        if not (r.recovery.enabled and self.placement.engines):
             return  # remote servers: nobody here can restart them
+        if r.transport == "ipc":  # a restarted server would need the GPUs the trainer holds, and new IPC groups
+            logger.warning("rollout.recovery: not available with the ipc weight transport (colocated SGLang); "
+                           "a dead engine stops the run (resume=true continues from the last checkpoint)")
+            return
         handles = [engine_health.ActorEngine(a, i) for i, a in enumerate(self.placement.engines)]
         self.recovery = engine_health.EngineMonitor(self.engine, handles, self._resync_engine,
                                                     self.cfg.rollout.recovery).start()
@@ -292,27 +320,26 @@ class Run:
         with self.timer.phase("rollout_wait"):
             return future.result()
 
-    def release_engines(self) -> None:
-        """Colocated: the engines free their memory for the trainer (resumed before the weight sync)."""
-        if self._colocated:
-            if self.recovery is not None:  # released engines answer no /health; restarts wait for the resume
-                self._release_hold = self.recovery.hold("memory released")
-            with self.timer.phase("engine_memory"):
-                self.engine.release_memory()
-            self._released = True
+    def release_engines(self) -> Dict[str, float]:
+        """Colocated: the engines free their memory for the trainer, which takes its state back (memory metrics).
+        They get it back in :meth:`sync_weights`."""
+        if self.colocation is None:
+            return {}
+        if self.recovery is not None:  # released engines answer no /health; restarts wait for the resume
+            self._release_hold = self.recovery.hold("memory released")
+        return self.colocation.to_training()
+
+    def _trainer_state_loaded(self):
+        """Colocated: the trainer's offloaded state on its GPUs (checkpoints read and write it)."""
+        return self.colocation.trainer_state_loaded() if self.colocation is not None else contextlib.nullcontext()
 
     def resume_engines(self) -> None:
-        if self._released:
-            with self.timer.phase("engine_memory"):
-                self.engine.resume_memory()
-            self._released = False
-            if self._release_hold is not None:
-                self._release_hold.release()
-                self._release_hold = None
-
-    @property
-    def _colocated(self) -> bool:
-        return self.cfg.rollout.placement == "colocated" and bool(self.placement.engines)
+        """Whatever the engines still hold released (nothing after a sync) comes back."""
+        if self.colocation is not None:
+            self.colocation.resume()
+        if self._release_hold is not None:
+            self._release_hold.release()
+            self._release_hold = None
 
     def logprobs(self, tb, step: int) -> Tuple[Any, Any, Dict[str, float]]:
         """Old (and reference) log-probs of the batch under the current weights."""
@@ -372,13 +399,17 @@ class Run:
                                       d.reward_max)
 
     def sync_weights(self, step: int) -> Dict[str, float]:
-        with self.timer.phase("weight_sync"):
-            stats = self._sync_weights(step)
+        memory: Dict[str, float] = {}
+        if self.colocation is not None and self.colocation.released:
+            stats, memory = self.colocation.sync(step)  # the engines' memory comes back around it
+        else:
+            with self.timer.phase("weight_sync"):
+                stats = self._sync_weights(step)
         out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets)}
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
             out["sync/probe_mean_abs_diff"] = stats.check.mean_abs_diff
-        return out
+        return {**out, **memory}
 
     def _sync_weights(self, version: int):
         """With recovery: after the engines out of rotation are back; a sync that failed because an engine died or
@@ -430,7 +461,7 @@ class Run:
         row.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
                  "pending": None if pending is None else pickle.dumps(pending), "row": row}
-        with self.timer.phase("checkpoint"):
+        with self._trainer_state_loaded(), self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
                 self.trainers.save_hf(os.path.join(cfg.output_dir, "hf_final"))

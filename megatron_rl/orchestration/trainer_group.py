@@ -135,8 +135,8 @@ class TrainerGroup:
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float) -> None:
         self._call("connect_engines", urls, transport, policy, timeout_s)
 
-    def sync_weights(self, version: Any):
-        return self._call("sync_weights", version, version=version)[0]
+    def sync_weights(self, version: Any, check: Optional[bool] = None):
+        return self._call("sync_weights", version, check, version=version)[0]
 
     def sync_engine(self, index: int, url: str):
         """The trainer's current weights to engine ``index`` alone, restarted at ``url``, then the probe check
@@ -145,8 +145,21 @@ class TrainerGroup:
             refs = self._submit("sync_engine", index, url, self.weights_version)
         return self._get(refs, "sync_engine", bars=False)[0]  # no bars: the main thread may be drawing its own
 
-    def check_weights(self):
-        return self._rank0("check_weights")
+    def check_weights(self, *what: str):
+        return self._rank0("check_weights", *what)
+
+    # ---- colocated memory (each returns the per-rank maximum of every memory metric) -------------------
+    def offload(self) -> Dict[str, float]:
+        return _max_over_ranks(self._call("offload"))
+
+    def reload(self) -> Dict[str, float]:
+        return _max_over_ranks(self._call("reload"))
+
+    def memory(self, prefix: str) -> Dict[str, float]:
+        return _max_over_ranks(self._call("memory", prefix))
+
+    def device_ids(self) -> List[Any]:
+        return self._call("device_ids")
 
     def save_checkpoint(self, ckpt_cfg, extra: Dict[str, Any], step: int) -> str:
         import ray
@@ -159,6 +172,10 @@ class TrainerGroup:
 
     def save_hf(self, path: str) -> None:
         self._call("save_hf", path)
+
+
+def _max_over_ranks(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
+    return {k: max(m[k] for m in per_rank if k in m) for k in per_rank[0]}
 
 
 def _concat_forward(parts: List[ForwardResult]) -> ForwardResult:

@@ -9,7 +9,11 @@ with each rank's data-parallel shard of the batch.
 
 Weight sync: rank 0 holds a :class:`~megatron_rl.rollout.balancer.RemoteEngine` over the engine
 servers and drives :class:`~megatron_rl.rollout.weight_sync.WeightSync`; the other ranks join its
-gathers. Results that are identical on every rank come back from rank 0 only (less Ray traffic).
+gathers (with the ``ipc`` transport of colocated engines every rank beside an engine sends its own copy).
+Results that are identical on every rank come back from rank 0 only (less Ray traffic).
+
+Colocated placement: :meth:`offload` / :meth:`reload` move the optimizer state and gradient buffers to
+host memory while the engines hold the GPU (``training/offload.py``); both return the resident memory.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class TrainerWorker:
         self._regroup = False  # distributed transport: rebuild the weight group before the next sync (every rank)
         self._store = None  # rank 0: the rendezvous store it hosts
         self.reporter = None  # progress: reports to the driver's bars (orchestration.progress)
+        self.offloader = None  # colocated: optimizer state + gradient buffers to host memory and back
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -122,16 +127,66 @@ class TrainerWorker:
         return (self.groups.dp_rank, result.logprobs) if self._reports() else None
 
     def train_step(self, batch, objective: Optional[ObjectiveConfig] = None):
+        self._require_loaded("train_step")
         result = self.trainer.train_step(batch, objective)
         return result if self.rank == 0 else None
+
+    # ---- colocated memory ------------------------------------------------------------------------------
+    def device_ids(self) -> Tuple[str, List[str]]:
+        """(Ray node id, the GPU ids Ray gave this rank): where a colocated engine's TP rank must run."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+    def offload(self) -> Dict[str, float]:
+        """Optimizer state and gradient buffers to host memory; the memory resident now (``memory/sync/``)
+        and the peak since :meth:`reload` (``memory/train/gpu_peak_allocated_gib``)."""
+        from megatron_rl.training.offload import TrainerOffload, memory_snapshot
+
+        if self.offloader is None:
+            self.offloader = TrainerOffload(self.trainer.ddp, self.trainer.optimizer, self.trainer.module)
+        peak = memory_snapshot("").get("gpu_peak_allocated_gib")
+        self.offloader.offload()
+        out = memory_snapshot("memory/sync/")
+        out.pop("memory/sync/gpu_peak_allocated_gib", None)
+        if peak is not None:
+            out["memory/train/gpu_peak_allocated_gib"] = peak
+        return out
+
+    def reload(self) -> Dict[str, float]:
+        """Back from host memory (engines have released theirs); the memory resident now (``memory/train/``)."""
+        from megatron_rl.training.offload import memory_snapshot, reset_peak
+
+        if self.offloader is not None:
+            self.offloader.reload()
+        reset_peak()
+        out = memory_snapshot("memory/train/")
+        out.pop("memory/train/gpu_peak_allocated_gib", None)
+        return out
+
+    def memory(self, prefix: str) -> Dict[str, float]:
+        from megatron_rl.training.offload import memory_snapshot
+
+        return memory_snapshot(prefix)
+
+    def _require_loaded(self, what: str) -> None:
+        if self.offloader is not None and self.offloader.offloaded:
+            raise RuntimeError(f"{what}: the optimizer state and gradient buffers are offloaded to host memory "
+                               "(colocated rollout phase); call reload() first")
 
     # ---- weights ------------------------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0) -> None:
         """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
-        hosts); every rank: the WeightSync that joins rank 0's gathers."""
+        hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport)."""
         from megatron_rl.rollout.weight_sync import WeightSync
 
         self._transport = transport
+        self._group_timeout_s = timeout_s
+        self._ipc = None
+        if transport == "ipc":
+            from megatron_rl.rollout.ipc_transport import IpcTransport
+
+            self._ipc = IpcTransport(urls, timeout_s=timeout_s)  # collective: every rank
         if self.rank == 0:
             from megatron_rl.rollout.balancer import RemoteEngine
             from megatron_rl.rollout.http_client import SGLangClient
@@ -143,9 +198,8 @@ class TrainerWorker:
                 layout = expert_layout(self.trainer.built.arch)
             clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
-            self._group_timeout_s = timeout_s
             self._init_weight_group(self.engine)
-        self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync)
+        self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync, transport=self._ipc)
         if self.rank == 0:
             self.sync.progress = self.reporter
 
@@ -180,12 +234,12 @@ class TrainerWorker:
         if box[0] is not None:
             raise WeightSyncError(f"weight sync set-up failed on rank 0: {box[0]}")
 
-    def sync_weights(self, version: Any):
+    def sync_weights(self, version: Any, check: Optional[bool] = None):
         if self._regroup:  # a restarted server is not in the weight group, or a failed broadcast broke it
             self._on_rank0(lambda: self._init_weight_group(self.engine))
             self._regroup = False
         try:
-            stats = self.sync.sync(version)
+            stats = self.sync.sync(version, check=check)
         except Exception:
             self._regroup = self._transport == "distributed"
             raise
@@ -215,19 +269,21 @@ class TrainerWorker:
                 engine.shutdown()
         return stats if self.rank == 0 else None
 
-    def check_weights(self):
-        check = self.sync.check(what="(start-up: engines loaded from the checkpoint the trainer loaded)")
+    def check_weights(self, what: str = "(start-up: engines loaded from the checkpoint the trainer loaded)"):
+        check = self.sync.check(what=what)
         return check if self.rank == 0 else None
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, ckpt_cfg, extra: Dict[str, Any], step: int) -> str:
         from megatron_rl.training.checkpoint import save_checkpoint
 
+        self._require_loaded("save_checkpoint")
         return save_checkpoint(self.trainer, ckpt_cfg, extra, step=step)
 
     def load_checkpoint(self, root: str, step: Optional[int] = None):
         from megatron_rl.training.checkpoint import load_checkpoint
 
+        self._require_loaded("load_checkpoint")
         result = load_checkpoint(self.trainer, root, step)
         return result if self.rank == 0 else None
 

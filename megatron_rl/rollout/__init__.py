@@ -12,6 +12,8 @@ Tour:
   http_client.py   client for SGLang / the embedded server: retries, backoff, restart policy
   balancer.py      RemoteEngine: a RolloutEngine over one or more servers (round-robin / least-outstanding)
   weight_group.py  the torch.distributed group that broadcasts weights trainer -> engines
+  tensor_payload.py SGLang's /update_weights_from_tensor payloads: tensors by handle (CUDA IPC / shm files)
+  ipc_transport.py IpcTransport: colocated engines get each trainer rank's own copy, gathered per engine
   weight_sync.py   WeightSync: Megatron shards -> engine in size-bounded HF-named buckets, then a probe
                    log-prob check (engine vs trainer) that catches garbled weights
   process.py       a managed server subprocess: launch, wait for /health, log tail, restart

@@ -26,6 +26,9 @@ one ``/flush_cache`` and the version. Two transports:
   so acceptance is established beforehand (the session, the group); an announce refused anyway is
   noticed while the broadcast is pending, which is then abandoned with the server's message (the group
   is marked broken and rebuilt by the next ``init_weight_sync``) -- never a silent hang.
+
+(``"ipc"``, colocated engines, is collective over the trainer ranks -- each sends its own GPU's copy --
+so it is not this engine's: ``rollout/ipc_transport.py``; such an engine serves generation and checks.)
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from megatron_rl.rollout.protocol import EngineHealth, GenerateRequest, NamedTen
 log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_outstanding")
-TRANSPORTS = ("tensor", "distributed")
+TRANSPORTS = ("tensor", "distributed", "ipc")
 
 
 class WeightTransportError(RuntimeError):
@@ -244,6 +247,9 @@ class RemoteEngine(RolloutEngine):
 
     def update_weights(self, named_tensor_buckets: Iterable[NamedTensorBucket], version: Any) -> None:
         version = str(version)
+        if self.weight_transport == "ipc":
+            raise RuntimeError("weight_transport='ipc' is collective over the trainer ranks (each sends its own "
+                               "GPU's copy): sync through WeightSync with an ipc_transport.IpcTransport")
         if self.weight_transport == "distributed" and self._group is None:
             raise RuntimeError("weight_transport='distributed' needs init_weight_sync(...) first" +
                                (" (the last sync broke the group)" if self._group_args else ""))

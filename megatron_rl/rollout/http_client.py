@@ -302,8 +302,9 @@ class SGLangClient:
 
     def update_weights_from_payloads(self, payloads: List[str], load_format: Optional[str] = None) -> None:
         """SGLang's own format: one ``tensor_payload`` payload per server TP rank (colocated placement)."""
-        self._expect_success(self.request("POST", "/update_weights_from_tensor", dict(
-            serialized_named_tensors=list(payloads), load_format=load_format, flush_cache=False)))
+        from megatron_rl.rollout.tensor_payload import request_body
+
+        self._expect_success(self.request("POST", "/update_weights_from_tensor", request_body(payloads, load_format)))
 
     def _send_bucket_file(self, bucket: Sequence[Tuple[str, torch.Tensor]]) -> bool:
         """Post ``bucket`` as a shared-memory file; False (bytes from now on) if the server cannot read it."""

@@ -24,8 +24,12 @@ the HTTP client, the balancer, the weight sync and the driver meet SGLang's rule
 
 Only this server has (extensions the SGLang client path never relies on): the ``safetensors`` and
 ``safetensors_file`` load formats of ``/update_weights_from_tensor`` (files only from its shared-memory
-folder), ``"engine": "embedded"`` in ``/server_info``, and request caps (``--max-n``, ``--max-request-rows``,
-``--max-request-tokens``: 400 naming the limit) so that one request cannot exhaust the machine.
+folder), ``"engine": "embedded"`` in ``/server_info``, ``--tp-size N`` (the engine is one process, but it
+reports ``tp_size`` N and reads SGLang's per-rank tensor payloads as N ranks would: one entry per rank, each
+decoded and required to hold the whole bucket; a weight group it joins as one rank, so only with N = 1),
+a weight update while the ``weights`` memory is released refused (SGLang would write into unmapped
+memory), and request caps (``--max-n``, ``--max-request-rows``, ``--max-request-tokens``: 400 naming the
+limit) so that one request cannot exhaust the machine.
 Not supported (a clear 400): text input, streaming, images, LoRA, grammars.
 
 Run: ``python -m megatron_rl.rollout.server --model-path DIR [--port N] [--enable-deterministic-inference]``.
@@ -135,8 +139,11 @@ class EmbeddedServer:
 
     def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
                  limits: Optional[ServerLimits] = None, health_timeout_s: float = 20.0,
-                 model_path: Optional[str] = None):
+                 model_path: Optional[str] = None, tp_size: int = 1):
+        if tp_size < 1:
+            raise ValueError(f"tp_size={tp_size}: expected >= 1")
         self.engine = engine
+        self.tp_size = tp_size  # emulated for /update_weights_from_tensor (one payload per rank); see the doc
         self.limits = limits or ServerLimits()
         self.health_timeout_s = health_timeout_s
         self.model_path = model_path or getattr(engine.model.config, "_name_or_path", "") or "embedded"
@@ -237,7 +244,7 @@ class EmbeddedServer:
 
     def _server_info(self, body):
         layout = self.engine.routing.layout
-        return 200, {"model_path": self.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+        return 200, {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": 1, "pp_size": 1,
                      "enable_deterministic_inference": self.deterministic,
                      "enable_return_routed_experts": layout is not None,
                      "sampling_mask_max_tokens": self.engine.config.sampling_mask_max_tokens,
@@ -333,6 +340,7 @@ class EmbeddedServer:
             if not self._session:
                 raise _weights_error("update_weights_from_tensor must run between begin_weight_update() and "
                                      "end_weight_update()")
+            self._require_weights_resident()
             try:
                 if fmt == "safetensors":  # extension
                     buckets = [wire.decode_bucket(p) for p in payloads]
@@ -343,7 +351,7 @@ class EmbeddedServer:
                 elif fmt in (None, "direct", weight_group.FLATTENED):  # SGLang's own: one payload per TP rank
                     from megatron_rl.rollout.tensor_payload import decode_payloads
 
-                    buckets = [decode_payloads(payloads, fmt, tp_rank=0)]
+                    buckets = [decode_payloads(payloads, fmt, tp_size=self.tp_size)]
                 else:
                     raise ValueError(f"Unknown load_format={fmt}")
             except HTTPError:
@@ -351,6 +359,13 @@ class EmbeddedServer:
             except Exception as e:  # noqa: BLE001 - any decode failure is the client's payload
                 raise _weights_error(f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}") from None
             return self._apply(buckets, body)
+
+    def _require_weights_resident(self) -> None:
+        """SGLang would write into released (unmapped) weight memory -- a crash, not an answer; this double
+        refuses instead, so a driver that updates before ``resume_memory_occupation(["weights"])`` fails."""
+        if "weights" in self._released:
+            raise _weights_error("the weights' memory is released: call resume_memory_occupation(tags=['weights']) "
+                                 "before updating them")
 
     def _weight_file(self, path: str) -> str:
         """A weight file the client named: only ours, in the shared-memory folder (never any other path)."""
@@ -368,6 +383,9 @@ class EmbeddedServer:
         backend = _field(body, "backend", str, "nccl")
         if not name:
             raise _weights_error("Group name cannot be empty")
+        if self.tp_size > 1:
+            raise _weights_error(f"this embedded server emulates tp_size={self.tp_size} for tensor payloads only; it "
+                                 "joins a weight group as one rank: start it with --tp-size 1")
         try:  # tp_rank 0: this server is one engine rank
             group = weight_group.create_weight_group(address, port, offset, world, backend=backend,
                                                      group_name=name, timeout_s=300.0)
@@ -387,6 +405,7 @@ class EmbeddedServer:
             if name not in self._groups:
                 raise _weights_error(f"Failed to receive weights: Group {name} not in {list(self._groups)}. Please "
                                      "call `init_weights_update_group` first.")
+            self._require_weights_resident()
             try:
                 bucket = weight_group.receive_bucket(self._groups[name], names, dtypes, shapes, load_format=fmt)
             except Exception as e:  # noqa: BLE001
@@ -556,6 +575,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--max-request-rows", type=int, default=ServerLimits.max_rows)
     p.add_argument("--max-request-tokens", type=int, default=ServerLimits.max_tokens)
     p.add_argument("--health-timeout", type=float, default=20.0, help="seconds without progress before /health is 503")
+    p.add_argument("--tp-size", type=int, default=1, help="TP ranks emulated for tensor payloads (see the module doc)")
     args = p.parse_args(argv)
     import torch
 
@@ -568,7 +588,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_grad_enabled(False)
     server = EmbeddedServer(engine, args.host, args.port, ServerLimits(args.max_n, args.max_request_rows,
                                                                        args.max_request_tokens),
-                            health_timeout_s=args.health_timeout, model_path=args.model_path)
+                            health_timeout_s=args.health_timeout, model_path=args.model_path, tp_size=args.tp_size)
     print(f"embedded server listening on {server.url}", flush=True)
     try:
         server.serve_forever()

@@ -15,6 +15,9 @@
    process; ``RemoteEngine`` posts safetensors buckets to ``/update_weights_from_tensor``
    (``weight_transport="tensor"``) or announces each bucket on ``/update_weights_from_distributed`` and
    broadcasts it over the weight group (``"distributed"``; call ``engine.init_weight_sync(...)`` once).
+   Colocated engines instead take a ``transport`` (:class:`~megatron_rl.rollout.ipc_transport.IpcTransport`)
+   that *every* rank feeds with its own buckets: each rank beside an engine TP rank hands over its own
+   copy by handle (``"ipc"``); the sender then only runs the check.
 4. The check (``config.check``): every rank runs the Megatron model on a fixed pseudo-random probe
    sequence; the last pipeline stage turns its vocab-sharded logits into per-token log-probs with
    ``ops.vocab_parallel_stats`` and broadcasts them over PP; the sender asks every engine replica for
@@ -356,12 +359,14 @@ class WeightSync:
     """Trainer -> engine weight sync with a post-sync log-prob check (module doc). Collective.
 
     ``engine`` is needed on the sender only (other ranks pass None). ``group``: all trainer ranks
-    (None: the default world); ``sender_rank``: the global rank that talks to the engine.
+    (None: the default world); ``sender_rank``: the global rank that talks to the engine. ``transport``
+    (every rank, e.g. an ``IpcTransport``): ``update_weights(buckets, version)`` called on every rank with
+    its own buckets instead of the sender's ``engine.update_weights``; the engine then serves the check.
     """
 
     def __init__(self, built, engine: Optional[RolloutEngine], config: Optional[WeightSyncConfig] = None, *,
-                 sender_rank: int = 0, group: Optional[dist.ProcessGroup] = None):
-        self.built, self.engine = built, engine
+                 sender_rank: int = 0, group: Optional[dist.ProcessGroup] = None, transport: Any = None):
+        self.built, self.engine, self.transport = built, engine, transport
         self.config = config or WeightSyncConfig()
         self.group = group
         distributed = dist.is_initialized()
@@ -406,8 +411,9 @@ class WeightSync:
 
     # ---- API ------------------------------------------------------------------------------------------
 
-    def sync(self, version: Any) -> SyncStats:
-        """Push the trainer's current weights to the engine as ``version``, then check (if configured)."""
+    def sync(self, version: Any, check: Optional[bool] = None) -> SyncStats:
+        """Push the trainer's current weights to the engine as ``version``, then check (``check``: None ->
+        ``config.check``; colocated engines are checked after their KV cache is back, by :meth:`check`)."""
         from megatron_rl.models.weights import iter_hf_weights
 
         start = time.perf_counter()
@@ -416,7 +422,7 @@ class WeightSync:
         error: Optional[BaseException] = None
         stats = None
         try:
-            if self.is_sender:
+            if self.is_sender or self.transport is not None:
                 stats = self._send(source, version)
             else:
                 _drain(source)
@@ -425,7 +431,7 @@ class WeightSync:
         if self.is_sender and stats is not None:
             stats.transfer_seconds = time.perf_counter() - start
         stats = self._agree(error, stats)
-        if self.config.check:
+        if self.config.check if check is None else check:
             stats.check = self.check(what=f"after syncing version {version}")
         stats.seconds = time.perf_counter() - start
         if self.is_sender:
@@ -435,12 +441,14 @@ class WeightSync:
         return stats
 
     def _send(self, source: Iterator[Tuple[str, torch.Tensor]], version: str) -> SyncStats:
-        meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress, self.progress)
+        meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress and self.is_sender,
+                       self.progress if self.is_sender else None)
+        consumer = self.transport if self.transport is not None else self.engine
         error: Optional[BaseException] = None
         # Producing a bucket runs collectives, so the engine must pull buckets from this thread, one at a
         # time (EmbeddedEngine and RemoteEngine do; RemoteEngine's pool threads only do the HTTP calls).
         try:
-            self.engine.update_weights(meter.wrap(iter_buckets(source, self.config.bucket_bytes, self.dtype)), version)
+            consumer.update_weights(meter.wrap(iter_buckets(source, self.config.bucket_bytes, self.dtype)), version)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the drain
             error = e
         finally:
@@ -450,7 +458,7 @@ class WeightSync:
         if error is not None:
             raise error
         if left:
-            raise WeightSyncError(f"{type(self.engine).__name__}.update_weights returned without consuming every "
+            raise WeightSyncError(f"{type(consumer).__name__}.update_weights returned without consuming every "
                                   f"bucket ({left} tensors were never sent)")
         return SyncStats(version=version, seconds=0.0, transfer_seconds=0.0, gather_seconds=meter.gather_s,
                          bytes=sum(meter.bucket_bytes), buckets=len(meter.bucket_bytes),

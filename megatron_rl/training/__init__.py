@@ -8,6 +8,7 @@
   engine.py      PolicyTrainer: forward() and train_step(); the loss-scaling derivation
   results.py     StepResult, ForwardResult, metric merging
   checkpoint.py  dist-checkpointing save/load: atomic, resharding, keep-last-K
+  offload.py     TrainerOffload: optimizer state + gradient buffers to host memory and back (colocated)
 """
 
 from megatron_rl.training.batch import MicroBatch, TrainBatch, make_micro_batches
