@@ -1,4 +1,5 @@
-"""Shared plumbing of the SGLang-side scripts (run in the SGLang venv only).
+"""Shared plumbing of the scripts in this folder. Imports only the standard library at module
+level: the SGLang-side scripts import sglang through it lazily, the torch-only probes use it too.
 
 * `quiet()`: silence SGLang's import-time warnings and logs so stdout carries JSON only.
 * `route_call(endpoint, body, method, query)`: what SGLang 0.5.23's FastAPI app does with a request
@@ -6,7 +7,7 @@
   against the route's declared parameter (`fastapi.dependencies.utils.request_body_to_args`, the
   function FastAPI's request handler calls), and SGLang's own `RequestValidationError` handler for
   the 400 answer. Returns the parsed request object and the keys of the body that SGLang drops.
-* `tensor_summary(t)`: shape, dtype and float64 checksums of a tensor.
+* `tensor_summary(t)`: shape, dtype and float64 checksums of a tensor (both sides compare these).
 """
 
 import asyncio
@@ -14,9 +15,25 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import warnings
 from typing import Any, Optional
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def default_sglang_python() -> str:
+    venv = os.environ.get("SGLANG_VENV", os.path.join(ROOT, ".venv-sglang"))
+    return os.path.join(venv, "bin", "python")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def quiet():

@@ -42,14 +42,7 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def default_sglang_python() -> str:
-    venv = os.environ.get("SGLANG_VENV", os.path.join(ROOT, ".venv-sglang"))
-    return os.path.join(venv, "bin", "python")
-
+import _common
 
 def serialize(obj) -> str:
     buf = io.BytesIO()
@@ -77,12 +70,6 @@ def rank_tensors(tp_rank: int) -> dict:
     }
 
 
-def checksum(t: torch.Tensor) -> dict:
-    t64 = t.detach().to(torch.float64)
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-            "sum": float(t64.sum()), "sumsq": float((t64 * t64).sum())}
-
-
 def build(strategy: str, load_format, tp_size: int):
     """(body, per-rank tensors, expected per-rank checksums); keep the tensors' process alive."""
     torch.multiprocessing.set_sharing_strategy(strategy)
@@ -90,19 +77,20 @@ def build(strategy: str, load_format, tp_size: int):
     objs = [flattened_bucket(n) if load_format else list(n.items()) for n in per_rank]
     body = {"serialized_named_tensors": [serialize(o) for o in objs], "load_format": load_format,
             "flush_cache": False}
-    expected = [[{"name": n, **checksum(t)} for n, t in named.items()] for named in per_rank]
+    expected = [[{"name": n, **_common.tensor_summary(t)} for n, t in named.items()] for named in per_rank]
     return body, per_rank, expected
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sglang-python", default=default_sglang_python())
+    parser.add_argument("--sglang-python", default=_common.default_sglang_python())
     parser.add_argument("--strategy", default="file_system", choices=["file_system", "file_descriptor"])
     parser.add_argument("--load-format", default="none", choices=["none", "flattened_bucket"])
     parser.add_argument("--tp-size", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--emit", action="store_true",
-                        help="print {body, expected} as one JSON line, then hold the tensors until stdin closes")
+                        help="print {body, expected} as one JSON line, then hold the tensors "
+                             "until stdin closes")
     args = parser.parse_args(argv[1:])
     load_format = None if args.load_format == "none" else args.load_format
     body, per_rank, expected = build(args.strategy, load_format, args.tp_size)
@@ -111,7 +99,7 @@ def main(argv):
         sys.stdin.read()
         return 0
     jobs = [{"body": body, "tp_rank": r} for r in range(args.tp_size)]
-    proc = subprocess.run([args.sglang_python, os.path.join(HERE, "deserialize_tensors.py")],
+    proc = subprocess.run([args.sglang_python, os.path.join(_common.HERE, "deserialize_tensors.py")],
                           input=json.dumps(jobs), capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])

@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -33,20 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def default_sglang_python() -> str:
-    venv = os.environ.get("SGLANG_VENV", os.path.join(ROOT, ".venv-sglang"))
-    return os.path.join(venv, "bin", "python")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+import _common
 
 def create_trainer_group(address, port, world_size, group_name, timeout_s):
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -56,12 +42,6 @@ def create_trainer_group(address, port, world_size, group_name, timeout_s):
                                       group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-def checksum(t: torch.Tensor) -> dict:
-    t64 = t.detach().to(torch.float64)
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-            "sum": float(t64.sum()), "sumsq": float((t64 * t64).sum())}
 
 
 def example_buckets():
@@ -97,13 +77,13 @@ def broadcast_bucket(pg, named: dict, load_format):
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sglang-python", default=default_sglang_python())
+    parser.add_argument("--sglang-python", default=_common.default_sglang_python())
     parser.add_argument("--group-name", default="megatron_rl_weights")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     args = parser.parse_args(argv[1:])
-    port = free_port()
+    port = _common.free_port()
     child = subprocess.Popen(
-        [args.sglang_python, os.path.join(HERE, "weight_group_rank.py"),
+        [args.sglang_python, os.path.join(_common.HERE, "weight_group_rank.py"),
          "--master-address", "127.0.0.1", "--master-port", str(port), "--rank-offset", "1",
          "--world-size", "2", "--group-name", args.group_name,
          "--deadline-s", str(int(args.timeout_s * 3))],
@@ -121,7 +101,7 @@ def main(argv):
             child.stdin.flush()
             broadcast_bucket(pg, named, load_format)
             got = json.loads(child.stdout.readline())
-            want = {name: checksum(t) for name, t in named.items()}
+            want = {name: _common.tensor_summary(t) for name, t in named.items()}
             mismatched = [n for n in want if got.get("tensors", {}).get(n) != want[n]]
             report["buckets"].append({"index": index, "load_format": load_format,
                                       "success": got.get("success"), "message": got.get("message"),

@@ -15,12 +15,12 @@ import sys
 import numpy as np
 import pytest
 
+import _common
 import deserialize_tensors
 import routed_experts
 import validate_requests
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+HERE, ROOT = _common.HERE, _common.ROOT
 
 
 def main_python() -> str:
@@ -63,7 +63,8 @@ def test_generate_batch_rid_prefix_is_suffixed():
 @pytest.mark.parametrize("body,status,stage,needle", [
     ({"input_ids": [1], "sampling_params": {"bogus": 1}}, 400, "contract", "bogus"),
     ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, 400, "sampling_params", "top_p"),
-    ({"input_ids": [1], "sampling_params": {"logit_bias": {"100": 1.0}}}, 400, "sampling_params", "logit_bias"),
+    ({"input_ids": [1], "sampling_params": {"logit_bias": {"100": 1.0}}}, 400, "sampling_params",
+     "logit_bias"),
     ({"input_ids": [1], "token_ids_logprob": [100]}, 400, "token_ids_logprob", "out-of-vocabulary"),
     ({"input_ids": "1 2"}, 400, "validation", "input_ids"),
     ({"sampling_params": {}}, 400, "normalize", "input_ids"),

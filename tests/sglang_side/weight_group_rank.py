@@ -33,16 +33,9 @@ import datetime
 import json
 import os
 import signal
-import socket
 import sys
 
 import _common
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _on_deadline(signum, frame):
@@ -72,7 +65,7 @@ def main(argv):
     _common.sglang_app()  # import the HTTP layer now, not while rank 0 waits in a broadcast
 
     # The scheduler process's own default group (SGLang's tp group world), here of one process.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_common.free_port()}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
     updater = WeightUpdater(
         tp_rank=args.tp_rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
