@@ -38,7 +38,7 @@ else
   rm -rf "$VENV"
   "$PY" -m venv "$VENV" || fail "python -m venv $VENV failed"
   log=$(mktemp)
-  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q --no-deps -r "$REQS" >"$log" 2>&1 \
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q --no-deps --no-compile -r "$REQS" >"$log" 2>&1 \
     || { grep -v "is ignored: it is neither" "$log" >&2; fail "pip install -r $REQS failed (pip's output above)"; }
   rm -f "$log"
   check_imports || fail "the SGLang imports fail in $VENV (traceback above): a package is missing from $REQS"

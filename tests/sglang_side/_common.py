@@ -37,7 +37,6 @@ def free_port() -> int:
 
 
 def quiet():
-    os.environ.setdefault("SGLANG_LOG_LEVEL", "error")
     warnings.filterwarnings("ignore")
     logging.disable(logging.CRITICAL)
 
@@ -181,8 +180,9 @@ async def _route_call(endpoint, body, method, query):
 
 
 def error_response(exc: BaseException):
-    """(status, body) of SGLang's `_create_error_response` for a ValueError a handler raises; any
-    other exception escapes the handler and is a 500 (Starlette's plain-text answer)."""
+    """(status, body) the server answers when its handler raises `exc`: SGLang's
+    `_create_error_response` for a ValueError; any other exception escapes the handler, and
+    Starlette answers a plain-text 500."""
     if isinstance(exc, ValueError):
         return getattr(exc, "status_code", 400), {"error": {"message": str(exc)}}
-    return 500, {"error": {"message": f"Internal Server Error ({type(exc).__name__}: {exc})"}}
+    return 500, "Internal Server Error"

@@ -90,6 +90,12 @@ def _children(obj, sent_rid):
     return out
 
 
+def _refusal(stage, exc):
+    status, response = _common.error_response(exc)
+    error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return dict(status=status, stage=stage, error=error, response=response)
+
+
 def _judge_generate(result, body, vocab_size):
     from sglang.srt.entrypoints.api_contract import generate_contract_error
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -99,15 +105,12 @@ def _judge_generate(result, body, vocab_size):
     if contract_error is not None:
         return dict(status=400, stage="contract", error=contract_error,
                     response={"error": contract_error})
-    if vocab_size is None:
-        raise ValueError("validate_requests: input field 'vocab_size' is required for /generate")
     obj = result.obj
     sent_rid = body.get("rid")
     try:
         obj.normalize_batch_and_arguments()
     except Exception as e:  # noqa: BLE001 - reported, as the server would answer it
-        status, response = _common.error_response(e)
-        return dict(status=status, stage="normalize", error=str(e), response=response)
+        return _refusal("normalize", e)
     tm_self = SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab_size))
     children = []
     for prompt_index, child, rid_source in _children(obj, sent_rid):
@@ -119,8 +122,7 @@ def _judge_generate(result, body, vocab_size):
             sp.normalize(_ByteTokenizer())
             sp.verify(vocab_size)
         except Exception as e:  # noqa: BLE001
-            status, response = _common.error_response(e)
-            return dict(status=status, stage=stage, error=str(e), response=response)
+            return _refusal(stage, e)
         seed = sp.sampling_seed
         children.append({
             "prompt_index": prompt_index,
@@ -170,6 +172,9 @@ def main(argv):
         requests, vocab_size = payload["requests"], payload.get("vocab_size")
     else:
         requests, vocab_size = payload, None
+    if vocab_size is None and any(r.get("endpoint") == "/generate" for r in requests):
+        sys.exit("validate_requests: input field 'vocab_size' (the model's vocabulary size) is "
+                 "required with a /generate request: {\"vocab_size\": V, \"requests\": [...]}")
     _common.dump([judge(r, vocab_size) for r in requests])
 
 

@@ -32,13 +32,13 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import sys
+import threading
 
 import _common
 
 
-def _on_deadline(signum, frame):
+def _on_deadline():
     _common.dump({"event": "deadline"})
     os._exit(3)
 
@@ -54,8 +54,10 @@ def main(argv):
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--deadline-s", type=float, default=300.0)
     args = parser.parse_args(argv[1:])
-    signal.signal(signal.SIGALRM, _on_deadline)
-    signal.alarm(max(1, int(args.deadline_s)))
+    # a thread, not SIGALRM: a Python signal handler waits for a blocked gloo call to return
+    deadline = threading.Timer(args.deadline_s, _on_deadline)
+    deadline.daemon = True
+    deadline.start()
     _common.quiet()
 
     import torch
