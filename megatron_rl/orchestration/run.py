@@ -3,8 +3,9 @@
 Start-up (:meth:`Run.__enter__`): output directory and resolved ``config.yaml``; tokenizer, prompt
 data and sampler; reward workers; Ray, placement groups, trainer ranks and engine servers (started
 concurrently); the driver's :class:`RemoteEngine` over the servers' URLs; then either resume (trainer
-checkpoint + the driver's state: step, sampler position, a pending off-policy rollout) followed by a
-weight sync, or the step-0 check that engines and trainer agree on the probe's log-probs.
+checkpoint + the driver's state: step, sampler position, the rollout mode's state -- a pending one-step
+rollout, the async stream's groups) followed by a weight sync, or the step-0 check that engines and trainer
+agree on the probe's log-probs; last, the rollout mode (``modes.py``: where each step's batch comes from).
 
 The driver process owns everything that is not a tensor computation over the model: data, rewards,
 advantages, logging. Trainers and engines are only reached through Ray calls and HTTP.
@@ -12,11 +13,9 @@ advantages, logging. Trainers and engines are only reached through Ray calls and
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
-import pickle
 import shutil
 from typing import Any, Dict, Optional, Tuple
 
@@ -25,6 +24,8 @@ from megatron_rl.config import RunConfig, dump_yaml
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
+from megatron_rl.orchestration.activity import idle_fractions
+from megatron_rl.orchestration.modes import OneStepRollouts, Rollouts
 from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,13 @@ class Run:
         self.cfg = cfg
         self.timer = PhaseTimer()
         self.start_step = 0
-        self.pending: Optional[RolloutBatch] = None  # an off-policy rollout restored from a checkpoint
+        self.rollout_state: Optional[dict] = None  # the rollout mode's state restored from a checkpoint
+        self.batches: Rollouts = None  # where each step's batch comes from (rollout.mode)
         self.resumed = False
         self.placement = None
         self._released = False
         self._owns_ray = False
         self._closers = []
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
 
     # ---- start-up / tear-down ---------------------------------------------------------------------------
     def __enter__(self) -> "Run":
@@ -62,11 +63,14 @@ class Run:
         self._start_data()
         self._start_workers()
         self._restore_or_check()
+        self.batches = self._rollout_mode()
+        self._closers.append(self.batches.close)
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))
         self._closers.append(self.metrics.close)
         self.startup_seconds = self.timer.finish_step()["time/step"]  # reported once, not in step 1's time
+        self.rollouts.meter.since_last()  # engine busy time is measured per step from here
 
     def _prepare_output_dir(self) -> None:
         cfg = self.cfg
@@ -160,7 +164,8 @@ class Run:
                    for u in urls]
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)
-        self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s)
+        self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s,
+                                      pause_mode="in_place" if r.partial else None)
         unit = self.trainers.dp * cfg.train.micro_batch_size
         self.rollouts = RolloutPhase(r, self.engine, self.tokenizer, self.sampler, self.rewards, seed=cfg.seed,
                                      batch_unit=unit, progress_bars=cfg.logging.progress,
@@ -184,9 +189,10 @@ class Run:
             if state.get("version") != STATE_VERSION:
                 raise ValueError(f"{path}: driver state version {state.get('version')} != {STATE_VERSION}")
             self.sampler.load_state_dict(state["sampler"])
-            pending = state["pending"]
             self.start_step, self.resumed = state["step"], True
-            self.pending = None if pending is None else pickle.loads(pending)
+            # "pending": a one-step rollout, as checkpoints written before rollout.mode stored it
+            self.rollout_state = state.get("rollouts") or ({"pending": state["pending"]} if state.get("pending")
+                                                           else None)
             # engines started from model.hf_path: give them the checkpoint's weights
             stats = self.trainers.sync_weights(version=self.start_step)
             logger.info("resumed from %s at step %d (optimizer step %d); engines synced (probe max |dlogp| %.2e)",
@@ -196,8 +202,20 @@ class Run:
             logger.info("step-0 check: engine vs trainer probe log-probs max |diff| %.2e over %d tokens",
                         check.max_abs_diff, check.length)
 
+    def _rollout_mode(self) -> Rollouts:
+        cfg = self.cfg
+        mode = cfg.rollout.mode
+        if mode == "one_step":
+            return OneStepRollouts(self.rollout, self.timer, cfg.steps, self.rollout_state)
+        if mode == "async":
+            from megatron_rl.orchestration.async_rollout import AsyncRollouts
+
+            return AsyncRollouts(cfg.rollout, self.rollouts, self.sampler, seed=cfg.seed, timer=self.timer,
+                                 filters=lambda step: not self.is_warmup(step), start_step=self.start_step,
+                                 state=self.rollout_state)
+        return Rollouts(self.rollout, self.timer)
+
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)  # an interrupted rollout is abandoned
         for close in reversed(self._closers):
             try:
                 close()
@@ -220,20 +238,6 @@ class Run:
     def rollout(self, step: int) -> RolloutBatch:
         """Rollout -> rewards -> dynamic-sampling filter (no filter during the imitation warm-up)."""
         return self.rollouts.collect(step, filter_groups=not self.is_warmup(step))
-
-    def rollout_async(self, step: int) -> Optional[concurrent.futures.Future]:
-        """One-step off-policy: start ``step``'s rollout now, on the weights the engines hold. Also past a
-        ``stop_after_steps`` stop: the checkpoint then carries it, and the resumed run trains on exactly the
-        samples the uninterrupted run would have."""
-        if not self.cfg.rollout.off_policy or step > self.cfg.steps:
-            return None
-        return self._executor.submit(self.rollout, step)
-
-    def wait(self, future: Optional[concurrent.futures.Future]) -> Optional[RolloutBatch]:
-        if future is None:
-            return None
-        with self.timer.phase("rollout_wait"):
-            return future.result()
 
     def release_engines(self) -> None:
         """Colocated: the engines free their memory for the trainer (resumed before the weight sync)."""
@@ -308,8 +312,8 @@ class Run:
         with self.timer.phase("eval"):
             return self.evaluator.run(step)
 
-    def checkpoint(self, step: int, pending: Optional[RolloutBatch]) -> None:
-        """Trainer state + the driver's (step, sampler position, the pending off-policy rollout)."""
+    def checkpoint(self, step: int) -> None:
+        """Trainer state + the driver's (step, sampler position, the rollout mode's state)."""
         cfg = self.cfg
         interval = cfg.checkpoint.interval
         if not ((interval and step % interval == 0) or step == cfg.last_step):
@@ -319,10 +323,10 @@ class Run:
         c = cfg.checkpoint
         ckpt = CheckpointConfig(root=cfg.checkpoint_root, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
                                 optimizer_format=c.optimizer_format)
-        # Megatron loads the common state with torch.load(weights_only=True): plain types only, so the pending
-        # off-policy rollout (our dataclasses) travels pickled, as bytes; it is read back only by _restore
+        # Megatron loads the common state with torch.load(weights_only=True): plain types only (the rollout
+        # modes pickle their records into bytes)
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
-                 "pending": None if pending is None else pickle.dumps(pending)}
+                 "rollouts": self.batches.state_dict()}
         with self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
@@ -336,6 +340,7 @@ class Run:
 
         metrics = {**metrics, **self.timer.finish_step()}
         metrics.update(throughput(metrics, metrics))
+        metrics.update(idle_fractions(metrics, self.rollouts.meter.since_last()))
         text = {}
         if batch is not None and batch.groups and self.cfg.logging.print_samples:
             g = batch.groups[0]

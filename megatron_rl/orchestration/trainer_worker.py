@@ -122,9 +122,11 @@ class TrainerWorker:
         return result if self.rank == 0 else None
 
     # ---- weights ------------------------------------------------------------------------------------
-    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0) -> None:
+    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0,
+                        pause_mode: Optional[str] = None) -> None:
         """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
-        hosts); every rank: the WeightSync that joins rank 0's gathers."""
+        hosts); every rank: the WeightSync that joins rank 0's gathers. ``pause_mode="in_place"`` (partial
+        rollouts): each sync holds the engines' running requests in place around the update."""
         from megatron_rl.rollout.weight_sync import WeightSync
 
         if self.rank == 0:
@@ -140,7 +142,7 @@ class TrainerWorker:
 
                 layout = expert_layout(self.trainer.built.arch)
             clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
-            self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
+            self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport, pause_mode=pause_mode)
             if transport == "distributed":
                 ip = ray.util.get_node_ip_address()
                 self.engine.init_weight_sync(ip, 0, backend=self.spec.backend or default_backend(), timeout_s=timeout_s)
