@@ -297,6 +297,11 @@ class EmbeddedEngine(RolloutEngine):
     def paused(self) -> bool:
         return not self._unpaused.is_set()
 
+    def live_tokens(self) -> List[int]:
+        """Tokens generated so far by each sequence of the running batch (progress, for tests and tools)."""
+        with self._version_lock:
+            return [len(r.tokens) for r in self._live]
+
     # ---- the decode loop --------------------------------------------------------------------------
 
     def _require_live(self) -> None:
