@@ -170,13 +170,15 @@ class AsyncRollouts(Rollouts):
 
     def state_dict(self) -> dict:
         with self._cv:
-            return {"async": pickle.dumps({
-                "controller": self.controller.state_dict(), "finished": self._finished,
+            return {"async": pickle.dumps({  # the sampler too: admissions advance it, so it is saved under the lock
+                "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
+                "finished": self._finished,
                 "admitted": {i: (a.record, a.params) for i, a in self._admitted.items()}})}
 
     def _load(self, state: dict) -> None:
         saved = pickle.loads(state["async"])
         self.controller.load_state_dict(saved["controller"])
+        self.sampler.load_state_dict(saved["sampler"])
         self._finished = saved["finished"]
         for index, (record, params) in sorted(saved["admitted"].items()):  # regenerated (module doc)
             self._admitted[index] = _Admitted(record, params)

@@ -20,10 +20,11 @@ it is safe to train at any step ``<= deadline = u + k + 1``. Two rules keep ever
   invariant for the next step (a long generation can then finish while newer groups are trained: the long
   tail overlaps training; used with partial rollouts, whose timing is not deterministic anyway).
 
-Dynamic sampling drops finished groups whose rewards are all equal when a batch is taken (freeing their
-slots); a step gives up waiting for signal after ``budget`` groups and trains on what it kept, like the
-synchronous mode's ``max_oversample_rounds``. The invariant makes both orders live: once every older group
-has finished, the ``B`` earliest-deadline groups are always a valid batch.
+Dynamic sampling drops finished groups whose rewards are all equal when a batch is taken; a step considers
+the groups live when it starts (nothing is admitted while a batch is filled), gives up waiting for signal after
+``budget`` groups or when those run out, and trains on what it kept, like the synchronous mode's
+``max_oversample_rounds``; the freed slots are refilled once the batch is handed out. The invariant makes both
+orders live: once every older group has finished, the ``B`` earliest-deadline groups are always a valid batch.
 """
 
 from __future__ import annotations
@@ -76,10 +77,14 @@ class StalenessController:
         self.next_index = 0
         self.slots: Dict[int, Slot] = {}  # live slots (running or ready), by admission index
         self._dropped: List[int] = []  # groups dropped while filling the current batch (the give-up budget)
+        self._filling = False  # a batch is being filled (take() was called and has not handed it out yet)
 
     # ---- admission --------------------------------------------------------------------------------
     def capacity(self) -> int:
-        """How many more groups may start now."""
+        """How many more groups may start now: none while a batch is being filled, so that what a step considers
+        (and drops) is the set of groups live when it started -- a function of the earlier steps only."""
+        if self._filling:
+            return 0
         return max(0, (self.engine_version + self.k + 1 - self.taken) * self.B - len(self.slots))
 
     def admit(self) -> Slot:
@@ -108,20 +113,13 @@ class StalenessController:
 
     # ---- batches ----------------------------------------------------------------------------------
     def take(self, *, filter_groups: bool, budget: int) -> Optional[Take]:
-        """The next step's batch, or None: wait for generations to finish (or to be admitted). With
-        ``filter_groups`` finished groups without signal are dropped first (their slots are free at once; the
-        result lists them). ``budget``: groups a step may consider (kept + dropped) before it trains on fewer
-        than ``B`` (possibly none: a skipped step)."""
-        if self.order == "fifo":
-            batch = self._fifo(filter_groups, budget)
-        else:
-            for s in [s for s in self.slots.values() if s.state == READY and not s.signal and filter_groups]:
-                self._drop(s)
-            batch = sorted((s for s in self.slots.values() if s.state == READY),
-                           key=lambda s: (s.deadline(self.k), s.index))[: self.B]
-        if batch is None or len(batch) < self.B and len(self._dropped) + len(batch) < budget:
-            return None
-        if not self._fits(self._left(batch), self.taken + 1):
+        """The next step's batch, or None: wait for generations to finish. With ``filter_groups`` finished groups
+        without signal are dropped (the result lists them). ``budget``: groups a step may consider (kept +
+        dropped) before it trains on fewer than ``B``; it also does when the groups live at its start run out
+        (possibly training on none: a skipped step). Nothing is admitted until the batch is handed out."""
+        self._filling = True
+        batch = self._fifo(filter_groups, budget) if self.order == "fifo" else self._ready(filter_groups, budget)
+        if batch is None:
             return None
         step = self.taken + 1
         for s in batch:
@@ -130,7 +128,7 @@ class StalenessController:
                                      f"its deadline {s.deadline(self.k)} (max_staleness={self.k})")
             del self.slots[s.index]
         take = Take(step, [s.index for s in batch], self._dropped)
-        self.taken, self._dropped = step, []
+        self.taken, self._dropped, self._filling = step, [], False
         return take
 
     def _fifo(self, filter_groups: bool, budget: int) -> Optional[List[Slot]]:
@@ -141,8 +139,7 @@ class StalenessController:
         for s in sorted(self.slots.values(), key=lambda s: s.index):
             if len(batch) == self.B:
                 break
-            considered = len(batch) + sum(d < s.index for d in self._dropped)  # this step's, before s
-            if considered >= budget and self._fits(self._left(batch), self.taken + 1):
+            if len(batch) + len(self._dropped) >= budget and self._fits(self._left(batch), self.taken + 1):
                 break
             if s.state == RUNNING:
                 return None
@@ -152,9 +149,21 @@ class StalenessController:
                 batch.append(s)
         return batch
 
+    def _ready(self, filter_groups: bool, budget: int) -> Optional[List[Slot]]:
+        """The ``B`` finished groups with the earliest deadlines, if the groups left then fit the invariant."""
+        for s in [s for s in self.slots.values() if s.state == READY and not s.signal and filter_groups]:
+            self._drop(s)
+        batch = sorted((s for s in self.slots.values() if s.state == READY),
+                       key=lambda s: (s.deadline(self.k), s.index))[: self.B]
+        short = len(batch) < self.B and len(batch) + len(self._dropped) < budget and self.running
+        if short or not self._fits(self._left(batch), self.taken + 1):
+            return None
+        return batch
+
     def _left(self, batch: Sequence[Slot]) -> List[Slot]:
         chosen = {s.index for s in batch}
-        return sorted((s for s in self.slots.values() if s.index not in chosen), key=lambda s: (s.deadline(self.k), s.index))
+        return sorted((s for s in self.slots.values() if s.index not in chosen),
+                      key=lambda s: (s.deadline(self.k), s.index))
 
     def _drop(self, slot: Slot) -> None:
         del self.slots[slot.index]
@@ -179,7 +188,7 @@ class StalenessController:
                              f"{state['k']}, this run {self.B}, {self.k}: resume with the same rollout settings")
         self.taken, self.engine_version, self.next_index = state["taken"], state["engine_version"], state["next_index"]
         self.slots = {i: Slot(i, v, st, sig) for i, v, st, sig in state["slots"]}
-        self._dropped = []
+        self._dropped, self._filling = [], False
 
 
 def staleness_metrics(samples: Sequence[Sample], step: int, max_staleness: int) -> Dict[str, float]:

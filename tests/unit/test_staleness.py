@@ -124,39 +124,46 @@ def test_staleness_bound_holds_over_random_schedules(data, B, k, order, partial,
     Sim(data, B, k, order, partial, B * (1 + rounds), steps).run()
 
 
-def test_fifo_batches_do_not_depend_on_timing():
-    """Without partial rollouts the FIFO order makes every step's batch (and its drops) a function of the
-    groups' outcomes only: two runs whose generations finish in different orders train the same groups."""
+@pytest.mark.parametrize("drop_every,budget", [(5, 9), (1, 3)])  # (1, 3): every group all-equal, steps give up
+def test_fifo_batches_do_not_depend_on_timing(drop_every, budget):
+    """Without partial rollouts the FIFO order makes every admission (its version) and every step's batch and
+    drops a function of the groups' outcomes only: runs whose generations finish in different orders, and whose
+    stream admits at different moments, admit and train the same groups."""
     import random
 
     def run(seed):
         rng = random.Random(seed)
         c = StalenessController(3, 2, order="fifo")
-        signal = {i: (i % 5 != 2) for i in range(200)}  # the same outcomes in both runs
-        takes, running = [], []
-        version = 0
-        for step in range(1, 9):
+        signal = {i: i % 5 != 2 if drop_every == 5 else False for i in range(2000)}  # the same outcomes
+        versions, takes, running = {}, [], []
+
+        def admit():
             while c.capacity():
-                running.append(c.admit().index)
+                slot = c.admit()
+                running.append(slot.index)
+                versions[slot.index] = slot.version
+
+        admit()
+        for step in range(1, 9):
             while True:
-                rng.shuffle(running)
-                if running:
-                    i = running.pop()
-                    c.finish(i, signal[i])
-                take = c.take(filter_groups=True, budget=9)
-                while c.capacity():
-                    running.append(c.admit().index)
+                for _ in range(rng.randrange(3)):  # some generations finish, in any order
+                    if running:
+                        i = running.pop(rng.randrange(len(running)))
+                        c.finish(i, signal[i])
+                take = c.take(filter_groups=True, budget=budget)
+                if rng.random() < 0.5 or take is not None:  # the stream admits now, or later
+                    admit()
                 if take is not None:
                     break
-            takes.append((take.batch, take.dropped))
+            takes.append((take.step, take.batch, take.dropped))
             while running:  # the publish drains the generations in flight
                 i = running.pop(rng.randrange(len(running)))
                 c.finish(i, signal[i])
-            version = step
-            c.publish(version)
-        return takes
+            c.publish(step)
+            admit()
+        return versions, takes
 
-    assert run(0) == run(1) == run(2)
+    assert run(0) == run(1) == run(2) == run(3)
 
 
 def test_admission_capacity_and_errors():
