@@ -45,16 +45,14 @@ class BusyMeter:
             with self._lock:
                 self._update(delta_active=-1)
 
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """Not busy meanwhile, whatever is in flight (the engines are paused)."""
+    def suspend(self) -> None:
+        """Not busy until :meth:`resume`, whatever is in flight (the engines are paused)."""
         with self._lock:
             self._update(delta_suspended=1)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._update(delta_suspended=-1)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._update(delta_suspended=-1)
 
     def total(self) -> float:
         with self._lock:

@@ -75,7 +75,6 @@ class AsyncRollouts(Rollouts):
         self._finished: Dict[int, Tuple[Group, Dict[str, float]]] = {}
         self._reward_s = 0.0
         self._held = False  # no admissions (a publish drains the groups in flight)
-        self._suspend = None
         self._error: Optional[BaseException] = None
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, cfg.max_concurrency), thread_name_prefix="async-rollout")
@@ -149,8 +148,7 @@ class AsyncRollouts(Rollouts):
 
     def before_publish(self, step: int) -> None:
         if self.cfg.partial:  # the sync pauses the engines in place: they compute nothing meanwhile
-            self._suspend = self.phase.meter.suspended()
-            self._suspend.__enter__()
+            self.phase.meter.suspend()
             return
         with self.timer.phase("rollout_drain"), self._cv:
             self._held = True
@@ -160,9 +158,8 @@ class AsyncRollouts(Rollouts):
     def after_publish(self, step: int, synced: bool) -> None:
         if not synced:  # a skipped step left the weights as they were: they are version `step` all the same
             self.phase.engine.update_weight_version(str(step))
-        if self._suspend is not None:
-            self._suspend.__exit__(None, None, None)
-            self._suspend = None
+        if self.cfg.partial:
+            self.phase.meter.resume()
         with self._cv:
             self.controller.publish(step)
             self._held = False

@@ -188,3 +188,51 @@ def test_admission_capacity_and_errors():
     assert d.state_dict() == state and d.capacity() == 2
     with pytest.raises(ValueError, match="same rollout settings"):
         StalenessController(3, 1).load_state_dict(state)
+
+
+def _sample(spans, finish="length"):
+    from megatron_rl.rollout.protocol import Sample
+    from megatron_rl.rollout.weight_versions import WeightVersionSpan
+
+    n = spans[-1][2]
+    return Sample([1], list(range(n)), [0.0] * n, finish, weight_version=spans[-1][0],
+                  weight_versions=[WeightVersionSpan(*s) for s in spans])
+
+
+def test_staleness_metrics_count_trained_tokens():
+    from megatron_rl.orchestration.staleness import staleness_metrics
+
+    samples = [_sample([("3", 0, 4), ("4", 4, 6)]),  # spans versions 3 and 4
+               _sample([("2", 0, 2)]),
+               _sample([("4", 0, 2)]),
+               _sample([("1", 0, 7)], finish="abort")]  # masked out of the loss: not counted
+    m = staleness_metrics(samples, step=5, max_staleness=2)  # step 5 trains with version 4
+    stale = [1, 1, 1, 1, 0, 0] + [2, 2] + [0, 0]
+    assert m["rollout/staleness_mean"] == pytest.approx(sum(stale) / len(stale))
+    assert m["rollout/staleness_max"] == 2.0
+    assert [m[f"rollout/staleness_frac_{j}"] for j in range(3)] == pytest.approx([0.4, 0.4, 0.2])
+    assert m["rollout/partial_frac"] == pytest.approx(1 / 3)
+    assert staleness_metrics([_sample([("default", 0, 3)])], step=1, max_staleness=0) == {
+        "rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/partial_frac": 0.0,
+        "rollout/staleness_frac_0": 1.0}
+
+
+def test_busy_meter_and_idle_fractions(monkeypatch):
+    from megatron_rl.orchestration import activity
+
+    now = [0.0]
+    monkeypatch.setattr(activity.time, "perf_counter", lambda: now[0])
+    meter = activity.BusyMeter()
+    with meter.busy():  # 0..4 busy, with a second request 1..2 overlapping (counted once)
+        now[0] = 1.0
+        with meter.busy():
+            now[0] = 2.0
+        meter.suspend()  # 2..3 paused: not busy
+        now[0] = 3.0
+        meter.resume()
+        now[0] = 4.0
+    now[0] = 10.0  # idle
+    assert meter.since_last() == pytest.approx(3.0) and meter.since_last() == 0.0
+    m = activity.idle_fractions({"time/step": 10.0, "time/train": 2.0, "time/logprobs": 1.0,
+                                 "time/weight_sync": 1.0}, 3.0)
+    assert m == {"perf/engine_idle_frac": pytest.approx(0.7), "perf/trainer_idle_frac": pytest.approx(0.6)}
