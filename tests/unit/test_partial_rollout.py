@@ -144,3 +144,23 @@ def test_a_partial_sync_does_not_fail_on_the_refused_flush(server):
     with pytest.raises(RequestRejected, match="Flush cache failed"):
         RemoteEngine([client], weight_transport="tensor").update_weights([weights], version=2)
     thread.join(120)
+
+
+def test_the_in_process_engine_pauses_in_place_the_same_way():
+    """EmbeddedEngine without the server: pause, update (a new version), continue -- the same spans and log-probs."""
+    engine = EmbeddedEngine(_model(0), EmbeddedEngineConfig())
+    models = {0: _model(0), 1: _model(1)}
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(s=engine.generate(
+        [GenerateRequest((4, 5), SamplingParams(max_new_tokens=80, ignore_eos=True, seed=3))])))
+    thread.start()
+    _wait_for_tokens(engine, 25)
+    engine.pause()
+    engine.update_weights([list(models[1].state_dict().items())], version=1)
+    engine.continue_generation()
+    thread.join(120)
+    (s,) = out["s"]
+    versions = s.token_versions()
+    assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions and versions.count(0) >= 25
+    recomputed = _mixed_recompute(models, versions, s.prompt_ids, s.response_ids)
+    assert torch.allclose(torch.tensor(s.logprobs), recomputed, atol=1e-4)
