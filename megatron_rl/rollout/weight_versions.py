@@ -79,15 +79,13 @@ def spans_from_meta(entries: Any, num_output_tokens: int) -> List[WeightVersionS
 
 
 def version_number(version: str) -> int:
-    """The integer policy version of a version string: ``"s"`` -> ``s``; the engines' start-up ``"default"``
-    (the initial checkpoint, before any update) -> 0."""
-    if version == "default":
-        return 0
+    """The integer policy version of a version string: ``"s"`` -> ``s``. The run publishes only step numbers, so
+    any other label (SGLang's start-up ``"default"``, or one the server was launched with) names the weights the
+    engines started from -- the initial checkpoint the step-0 check compared with the trainer's: 0."""
     try:
         return int(version)
     except ValueError:
-        raise ValueError(f"weight version {version!r} is not a step number: the run publishes weights as the step "
-                         "that produced them ('0', '1', ...)") from None
+        return 0
 
 
 def token_versions(spans: Optional[Sequence[WeightVersionSpan]], fallback: str, num_tokens: int) -> List[int]:
