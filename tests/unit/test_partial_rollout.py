@@ -88,7 +88,9 @@ def test_tokens_carry_the_version_and_logprob_of_the_weights_that_produced_them(
     out = {}
     thread = threading.Thread(target=lambda: out.update(samples=RemoteEngine([client]).generate(requests)))
     thread.start()
-    for version, tokens in ((1, 20), (2, 60)):  # two publishes while the long request runs
+    # two publishes while the long request runs (each would fail on SGLang's refused /flush_cache if the partial
+    # sync did not skip it while requests are held)
+    for version, tokens in ((1, 20), (2, 60)):
         _wait_for_tokens(server.engine, tokens)
         trainer_side.update_weights([list(models[version].state_dict().items())], version=version)
     thread.join(120)
@@ -125,25 +127,6 @@ def test_tokens_carry_the_version_and_logprob_of_the_weights_that_produced_them(
         targets = mb.targets.gather(1, mb.logit_index)[0][mb.response_mask[0]]  # what each loss column predicts
         assert targets.tolist() == s.response_ids
         assert mb.policy_version[0][mb.response_mask[0]].tolist() == s.token_versions()
-
-
-def test_a_partial_sync_does_not_fail_on_the_refused_flush(server):
-    """SGLang refuses /flush_cache while paused requests hold their KV: the partial sync skips it; a sync without
-    pause_mode still treats a refused flush as an error (its requests are expected to be drained)."""
-    client = SGLangClient(server.url, retry=FAST)
-    thread = threading.Thread(target=lambda: client.generate_one(
-        GenerateRequest((1,), SamplingParams(max_new_tokens=400, ignore_eos=True))))
-    thread.start()
-    _wait_for_tokens(server.engine, 5)
-    weights = list(_model(1).state_dict().items())
-    RemoteEngine([client], weight_transport="tensor", pause_mode="in_place").update_weights([weights], version=1)
-    assert not server.engine.paused  # continued
-    from megatron_rl.rollout.http_client import RequestRejected
-
-    _wait_for_tokens(server.engine, 5)
-    with pytest.raises(RequestRejected, match="Flush cache failed"):
-        RemoteEngine([client], weight_transport="tensor").update_weights([weights], version=2)
-    thread.join(120)
 
 
 def test_the_in_process_engine_pauses_in_place_the_same_way():
