@@ -70,27 +70,38 @@ def throughput(args, assets) -> dict:
               f"train.micro_batch_size={args.micro_batch}", "rollout.sampling.max_new_tokens=48",
               f"rollout.sampling.stop_token_ids={STOP_TOKENS}", "optim.lr=1e-6", "optim.schedule.min_lr=1e-7",
               "checkpoint.interval=0"]
+    runs = {name: [] for name in args.modes}
+    for rep in range(args.repeat):  # modes interleaved: a load that drifts over time hits each mode alike
+        for name in args.modes:
+            runs[name].append(measure(args, name, common, rep))
     results = {}
-    for name in args.modes:
-        before = load()
-        lines = run(args, Path(args.work) / f"tp_{name.replace(' ', '_')}", common + MODES[name])
-        timed = [m for m in lines if 3 <= m["step"] < args.steps]
-        wall = sum(m["time/step"] for m in timed)
-        lengths = [m["rollout/response_len_mean"] for m in timed]
-        results[name] = dict(
-            steps_per_s=len(timed) / wall, wall_s=wall, steps=len(timed),
-            gen_tokens_per_s=sum(m["rollout/response_tokens"] for m in timed) / wall,
-            train_tokens_per_s=sum(m["train/tokens"] for m in timed) / wall,
-            engine_idle=statistics.fmean(m["perf/engine_idle_frac"] for m in timed),
-            trainer_idle=statistics.fmean(m["perf/trainer_idle_frac"] for m in timed),
-            staleness_mean=statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in timed),
-            staleness_max=max(m.get("rollout/staleness_max", 0.0) for m in timed),
-            partial_frac=statistics.fmean(m.get("rollout/partial_frac", 0.0) for m in timed),
-            response_len_mean=statistics.fmean(lengths),
-            response_len_max=max(m["rollout/response_len_max"] for m in timed),
-            load_before=before, load_after=load())
-        print(f"{name}: {results[name]['steps_per_s']:.3f} steps/s (load {before} -> {load()})", flush=True)
+    for name, reps in runs.items():
+        best = sorted(reps, key=lambda r: r["steps_per_s"])[len(reps) // 2]  # the median repeat
+        results[name] = dict(best, repeats_steps_per_s=[r["steps_per_s"] for r in reps])
     return results
+
+
+def measure(args, name, common, rep) -> dict:
+    """One run of one mode: its timed steps' throughput, idle fractions and staleness."""
+    before = load()
+    lines = run(args, Path(args.work) / f"tp_{name.replace(' ', '_')}", common + MODES[name])
+    timed = [m for m in lines if 3 <= m["step"] < args.steps]
+    wall = sum(m["time/step"] for m in timed)
+    lengths = [m["rollout/response_len_mean"] for m in timed]
+    r = dict(
+        steps_per_s=len(timed) / wall, wall_s=wall, steps=len(timed),
+        gen_tokens_per_s=sum(m["rollout/response_tokens"] for m in timed) / wall,
+        train_tokens_per_s=sum(m["train/tokens"] for m in timed) / wall,
+        engine_idle=statistics.fmean(m["perf/engine_idle_frac"] for m in timed),
+        trainer_idle=statistics.fmean(m["perf/trainer_idle_frac"] for m in timed),
+        staleness_mean=statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in timed),
+        staleness_max=max(m.get("rollout/staleness_max", 0.0) for m in timed),
+        partial_frac=statistics.fmean(m.get("rollout/partial_frac", 0.0) for m in timed),
+        response_len_mean=statistics.fmean(lengths),
+        response_len_max=max(m["rollout/response_len_max"] for m in timed),
+        load_before=before, load_after=load())
+    print(f"{name} (repeat {rep}): {r['steps_per_s']:.3f} steps/s (load {before} -> {load()})", flush=True)
+    return r
 
 
 def curves(args, assets) -> dict:
@@ -117,6 +128,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median is reported")
     ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
     ap.add_argument("--curves-only", action="store_true")
     ap.add_argument("--curve-steps", type=int, default=200)
@@ -133,12 +145,13 @@ def main() -> None:
         base = tp.get("sync", {}).get("steps_per_s")
         print(f"\n### Long-tail workload: {args.prompts} prompts x 8 samples per step, 1 trainer + 1 engine process "
               f"(load average at start {report['load_start']})\n")
-        print("| mode | steps/s | vs sync | generated tok/s | trained tok/s | engine idle | trainer idle | "
-              "staleness mean / max | spanning seqs | load (1/5/15 min) before |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| mode | steps/s (median) | vs sync | each repeat | generated tok/s | trained tok/s | engine idle | "
+              "trainer idle | staleness mean / max | spanning seqs | load (1/5/15 min) before |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in tp.items():
             ratio = f"{r['steps_per_s'] / base:.2f}x" if base else "-"
-            print(f"| {name} | {r['steps_per_s']:.3f} | {ratio} | {r['gen_tokens_per_s']:.0f} | "
+            each = ", ".join(f"{x:.2f}" for x in r["repeats_steps_per_s"])
+            print(f"| {name} | {r['steps_per_s']:.3f} | {ratio} | {each} | {r['gen_tokens_per_s']:.0f} | "
                   f"{r['train_tokens_per_s']:.0f} | {r['engine_idle']:.2f} | {r['trainer_idle']:.2f} | "
                   f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {r['partial_frac']:.3f} | "
                   f"{r['load_before']} |")
