@@ -8,13 +8,16 @@ what would fix it — a user fixes a recipe in one round trip instead of one err
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import warnings
 from typing import List, Optional
 
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import ConfigError
 
+logger = logging.getLogger(__name__)
 _GROUPED = ("grpo", "rloo", "reinforce_pp_baseline", "otb")
 
 
@@ -29,6 +32,7 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
         check(cfg, problems)
     if files:
         check_files(cfg, problems)  # data, model files, reward import, writable outputs, resume, remote servers
+    _warn_uncorrected_async(cfg)
     if files and not problems:  # model-file checks only once the paths are known to exist
         try:
             _model_files(cfg, problems)
@@ -83,9 +87,10 @@ def _rollout(cfg: RunConfig, out: List[str]) -> None:
     if r.engine != "remote" and r.urls:
         out.append(f"rollout.urls={r.urls} is only used with rollout.engine='remote' (engine is {r.engine!r}); "
                    "remove urls or set engine: remote")
-    if r.off_policy and r.placement == "colocated":
-        out.append("rollout.off_policy=1 overlaps the next rollout with training, but rollout.placement='colocated' "
-                   "engines release their memory while the trainer runs; set rollout.placement=disaggregated")
+    if r.overlapped and r.placement == "colocated":
+        out.append(f"rollout.mode={r.mode!r} generates while the trainer trains, but rollout.placement='colocated' "
+                   "engines share the trainer's devices and release their memory while it runs, so nothing can "
+                   "overlap; set rollout.placement=disaggregated (or rollout.mode=sync)")
     if r.placement == "colocated" and r.engine == "embedded" and r.num_engines > p.world_size:
         out.append(f"rollout.num_engines={r.num_engines} colocated engines need as many trainer bundles, but "
                    f"parallel.world_size={p.world_size}; lower num_engines or use placement=disaggregated")
@@ -167,8 +172,8 @@ def _objective(cfg: RunConfig, out: List[str]) -> None:
                    f"{obj.dvp.enabled}: full-vocabulary trainer log-probs compare with 'raw', DVP-pruned ones with "
                    "'processed'; make them agree")
     needs_old = obj.policy.mode == "decoupled"
-    if r.off_policy and not needs_old and not obj.correction.active:
-        out.append("rollout.off_policy=1 trains on one-step-stale samples: use train.objective.policy.mode=decoupled "
+    if r.mode == "one_step" and not needs_old and not obj.correction.active:
+        out.append("rollout.mode='one_step' trains on one-step-stale samples: use train.objective.policy.mode=decoupled "
                    "or a train.objective.correction (e.g. is_level: token) so the staleness is corrected")
     if cfg.train.routing_replay and r.engine == "remote":
         out.append("train.routing_replay=true needs the rollout's expert choices: start the remote SGLang servers "
@@ -181,6 +186,23 @@ def _objective(cfg: RunConfig, out: List[str]) -> None:
     if routing and not cfg.model.routing_replay:
         out.append(f"{' and '.join(f + '=true' for f in routing)} but model.routing_replay=false builds the routers "
                    "without Megatron's RouterReplay, which replay and the mask read; set model.routing_replay=true")
+
+
+ASYNC_WARNING = "UNCORRECTED ASYNCHRONOUS RL"
+
+
+def _warn_uncorrected_async(cfg: RunConfig) -> None:
+    """Async training without decoupled PPO or a rollout correction runs (the issue asks for a loud warning, not
+    an error): its tokens are up to ``max_staleness`` versions stale and nothing reweights them."""
+    r, obj = cfg.rollout, cfg.train.objective
+    if r.mode != "async" or obj.policy.mode == "decoupled" or obj.correction.active:
+        return
+    message = (f"{ASYNC_WARNING}: rollout.mode='async' trains on tokens up to rollout.max_staleness={r.max_staleness} "
+               f"weight versions old, but train.objective.policy.mode={obj.policy.mode!r} without a "
+               "train.objective.correction treats them as on-policy (biased gradients; runs drift or collapse). Set "
+               "train.objective.policy.mode=decoupled and/or a correction (e.g. correction.is_level=token)")
+    logger.warning("\n%s\n%s\n%s", "!" * 100, message, "!" * 100)
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _routing_fields(cfg: RunConfig) -> List[str]:

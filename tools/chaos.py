@@ -242,7 +242,7 @@ BAD_INPUTS: List[Case] = [
     Case("temperature mismatch", ["rollout.sampling.temperature=0.7"], r"temperature=0.7 and train.temperature=1.0"),
     Case("batch not divisible", ["rollout.prompts_per_step=3"], r"not divisible by data-parallel size"),
     Case("world size vs tp", ["parallel.world_size=3"], r"parallel.world_size=3 is not divisible"),
-    Case("off-policy colocated", ["rollout.off_policy=1"], r"off_policy=1 .*placement='colocated'"),
+    Case("one-step colocated", ["rollout.mode=one_step"], r"rollout.mode=.one_step. .*placement=.colocated."),
     Case("in-process reward with a timeout", ["reward.timeout_s=5"], r"reward.timeout_s=5.0 cannot be enforced"),
     Case("checkpoint interval negative", ["checkpoint.interval=-2"], r"checkpoint.interval=-2"),
     Case("keep_last negative", ["checkpoint.keep_last=-1"], r"keep_last=-1"),

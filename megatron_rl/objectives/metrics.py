@@ -23,6 +23,9 @@ Metric names (each present only when its inputs are):
   ``token_keep_frac`` or ``seq_acceptance`` (by level);
 * ``policy/``: ``clip_frac``, ``clip_frac_high``, ``clip_frac_low``, ``dual_clip_frac``,
   ``approx_kl_k1``, ``approx_kl_k3``;
+* ``versions/`` (with ``policy_version``): ``spanning_token_frac`` (tokens of sequences that span several weight
+  versions), ``max_span`` (largest version difference inside a sequence); ``mismatch/k3_spanning`` is the k3
+  over those tokens;
 * ``loss/``: the step-global value of each term; ``tokens/``: ``valid``, ``kept``, ``nonfinite``;
   ``entropy``, ``kl_ref``, ``logit_grad_proxy`` (1 − 2π_y + Σπ², §d.1).
 """
@@ -131,6 +134,8 @@ def objective_metrics(sel, term, is_scale: Tensor, parts: Dict[str, Tensor], cfg
         mb.seq_mean("mismatch/log_ppl_abs_diff", st.mean_log_ratio.abs(), seq_nonempty)
         mb.seq_mean("mismatch/ppl_ratio", torch.exp(-st.mean_log_ratio), seq_nonempty)
         mb.seq_mean("mismatch/seq_k3_sum", st.sum_k3, seq_nonempty)
+    if x.policy_version is not None:
+        _version_metrics(mb, x.policy_version, valid, sel.log_ratio, groups)
     if sel.stats is not None and sel.stats.max_exact is not None:
         mb.max("mismatch/max_exact_kl", sel.stats.max_exact, seq_nonempty)
         mb.token_mean("mismatch/exact_kl", x.rollout_kl, valid)
@@ -207,6 +212,21 @@ def objective_metrics(sel, term, is_scale: Tensor, parts: Dict[str, Tensor], cfg
     out = mb.finalize()
     _derive(out, cfg, extra)
     return out
+
+
+def _version_metrics(mb: MetricBuilder, version: Tensor, valid: Tensor, log_ratio, groups: ReduceGroups) -> None:
+    """Sequences whose tokens come from several weight versions (partial rollouts), and their mismatch."""
+    v = version.to(torch.float64)
+    ninf = torch.full((), -math.inf, dtype=torch.float64, device=v.device)
+    ends = all_reduce(torch.stack([torch.where(valid, v, ninf).amax(-1), torch.where(valid, -v, ninf).amax(-1)]),
+                      "max", groups.cp)  # [2, B]: per-sequence max and -min over every CP rank's positions
+    nonempty = torch.isfinite(ends[0])
+    span = torch.where(nonempty, ends[0] + ends[1], torch.zeros((), dtype=torch.float64, device=v.device))
+    spanning = valid & (span > 0)[:, None]
+    mb.token_mean("versions/spanning_token_frac", spanning.double(), valid)
+    mb.max("versions/max_span", span, nonempty)
+    if log_ratio is not None:
+        mb.token_mean("mismatch/k3_spanning", k3(log_ratio), spanning)
 
 
 def _derive(out: Dict[str, Tensor], cfg, extra: Dict[str, Tensor]) -> None:

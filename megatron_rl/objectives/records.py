@@ -53,6 +53,11 @@ class LossInputs:
         routing_disagreement: MoE: fraction of MoE layers whose top-k expert set at the position predicting
             y_t differs between the trainer and the rollout engine (no grad), for
             ``ObjectiveConfig.routing_mask``.
+        policy_version: int64, the weight version that sampled y_t (asynchronous RL: a partial rollout paused
+            across a weight update spans versions). Every correction is per token already -- ``rollout_logprobs``
+            holds each token's own behaviour log-prob from the weights that produced it, so TIS/MIS/TRM and
+            decoupled PPO correct a version-spanning sequence token by token; the version feeds the
+            ``versions/`` metrics.
     """
 
     logprobs: Tensor
@@ -69,6 +74,7 @@ class LossInputs:
     kept_mass: Optional[Tensor] = None
     target_kept: Optional[Tensor] = None
     routing_disagreement: Optional[Tensor] = None
+    policy_version: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.logprobs.dim() != 2:

@@ -9,6 +9,10 @@
   colocation.py      Colocation: who holds each GPU when (SGLang memory tags, trainer offload, memory metrics)
   trainer_group.py   TrainerGroup: one call -> every rank, data-parallel shards in, one result out
   rollout.py         rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds
+  modes.py           rollout.mode: where each step's batch comes from (sync, one_step; async_rollout.py)
+  async_rollout.py   async: a continuous prompt stream under the staleness bound, partial rollouts
+  staleness.py       the staleness bound kept by admission; staleness metrics
+  activity.py        engine / trainer idle fractions
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics
   evaluate.py        held-out evaluation through the engines: pass@k (unbiased) and mean@k per dataset
   eval_cli.py        ``megatron-rl eval RECIPE_OR_HF_DIR``: the same evaluation, stand-alone

@@ -1,7 +1,8 @@
 """From scored rollout groups to the trainer's batch, and the advantages phase.
 
 * :func:`train_batch`: samples -> :class:`~megatron_rl.training.TrainBatch` (prompt + response ids,
-  rollout log-probs, loss mask — aborted samples masked out — group ids, MoE routes for replay).
+  rollout log-probs, loss mask — aborted samples masked out — group ids, per-token policy versions, MoE
+  routes for replay).
 * :func:`compute_step_advantages`: the sequence reward on each response's last loss token (per-token
   rewards on their tokens), an optional
   KL-in-reward penalty, the configured estimator (GRPO, RLOO, OTB...), and — when the step's objective
@@ -31,7 +32,8 @@ def train_batch(groups: Sequence[Group], routing: Optional[RoutingLayout] = None
         [s.prompt_ids for s in samples], [s.response_ids for s in samples],
         rollout_logprobs=[s.logprobs for s in samples],
         loss_masks=[[s.finish_reason != "abort"] * len(s.response_ids) for s in samples],
-        group_ids=[gi for gi, g in enumerate(groups) for _ in g.samples])
+        group_ids=[gi for gi, g in enumerate(groups) for _ in g.samples],
+        policy_versions=[s.token_versions() for s in samples])
     return batch if routing is None else attach_routes(batch, samples, routing)
 
 

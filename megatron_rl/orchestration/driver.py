@@ -1,17 +1,18 @@
 """The RL loop: one named call per phase (the phases live in :mod:`megatron_rl.orchestration.run`).
 
-    rollout -> rewards -> dynamic-sampling filter        run.rollout (or the off-policy rollout started last step)
+    rollout -> rewards -> dynamic-sampling filter        run.batches.next_batch (per rollout.mode, modes.py)
     old / reference log-probs                            run.logprobs
     advantages                                           run.advantages
     train                                                run.train
-    weight sync                                          run.sync_weights
+    weight sync                                          run.sync_weights, between run.batches.before/after_publish
     evaluation, checkpoint, metrics line                 run.evaluate, run.checkpoint, run.log
 
-With ``rollout.off_policy=1`` the next step's rollout is started before this step trains and is waited
-for before the weight sync, so it runs on the previous weights while the trainer works (one step
-stale; the decoupled loss and rollout correction account for it). Colocated engines hand their memory
-to the trainer between the rollout and the sync, and take it back piece by piece around the sync
-(``colocation.py``).
+``rollout.mode``: ``sync`` generates each batch when its step starts; ``one_step`` generates the next step's
+batch while this step trains (one step stale); ``async`` generates continuously under the
+``rollout.max_staleness`` bound, pausing in-flight generations in place across the weight sync with
+``rollout.partial``. The decoupled loss and rollout correction account for the staleness, token by token.
+Colocated engines hand their memory to the trainer between the rollout and the sync, and take it back piece
+by piece around the sync (``colocation.py``).
 
 SIGTERM/SIGINT stop the loop (:mod:`.signals`: at once, or after checkpointing the step with
 ``checkpoint.on_signal``). The loop warns about steps that changed nothing (no batch, a skipped optimizer
@@ -45,10 +46,8 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
         if run.start_step == 0 and cfg.eval.interval:
             history.append(run.log(0, {**first, **run.evaluate(0)}))  # the baseline, before any update
             first = {}
-        pending = run.pending
         for step in range(run.start_step + 1, cfg.last_step + 1):
-            batch = pending or run.rollout(step)  # rollout -> rewards -> dynamic-sampling filter
-            next_rollout = run.rollout_async(step + 1)  # off-policy: overlaps this step's training
+            batch = run.batches.next_batch(step)  # rollout -> rewards -> dynamic-sampling filter
             metrics, first = {**first, **batch.metrics}, {}
             if batch.skipped:
                 logger.warning("step %d skipped: %s", step, batch.skipped)
@@ -60,13 +59,14 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
                 metrics.update(m_logprobs, **m_adv, **run.train(tb, step))
                 warn_numerics(step, metrics)
                 metrics.update(run.gain(tb, batch, step))  # diagnostics.gain: a forward under the new weights
-            pending = run.wait(next_rollout)
+            run.batches.before_publish(step)  # one_step: the next rollout is done; async: drained (or partial)
             if not batch.skipped:
                 metrics.update(run.sync_weights(step))  # colocated: also gives the engines their memory back
             run.resume_engines()
+            run.batches.after_publish(step, synced=not batch.skipped)
             metrics.update(run.evaluate(step))
             stopping = stop.requested is not None
-            saved = run.checkpoint(step, pending, metrics, force=stopping)
+            saved = run.checkpoint(step, metrics, force=stopping)
             _fault_point("after_checkpoint", step)
             history.append(run.log(step, metrics, batch))
             watch.update(step, metrics)

@@ -22,7 +22,7 @@ The balancer re-sends a request whose server could not be reached to an availabl
 one. Seeded samples are a pure function of (run seed, step, round, slot, sample index), so a re-sent
 request gives the same tokens on any server holding the same weights: a run whose engine is killed trains
 on the samples of the uninterrupted run (log-probs can move by float rounding, ~1e-6, as with any change of
-batching). With ``rollout.off_policy=1`` a restart during the overlapped rollout gets the trainer's newest
+batching). With an overlapping ``rollout.mode`` (one_step, async) a restart during a rollout gets the trainer's newest
 weights, one version ahead of the other engines; its samples carry that version (``rollout/staleness``).
 
 Holds: while the driver itself makes engines unresponsive (memory released for colocated training, a weight

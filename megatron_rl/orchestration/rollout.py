@@ -29,7 +29,9 @@ from megatron_rl.data.rewards.runner import FAILURE_KINDS, RewardRunner
 from megatron_rl.diagnostics import reward_entropy_bits
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import progress
+from megatron_rl.orchestration.activity import BusyMeter
 from megatron_rl.rollout.protocol import GenerateRequest, RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.weight_versions import version_number
 
 
 @dataclass
@@ -89,6 +91,7 @@ class RolloutPhase:
         self.progress_bars, self.routed_experts = progress_bars, routed_experts
         self.stop_ids = tuple(sorted(set(cfg.sampling.stop_token_ids) | {int(tokenizer.eos_token_id)}))
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="rollout")
+        self.meter = BusyMeter()  # the engines' busy time, for perf/engine_idle_frac
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -111,7 +114,7 @@ class RolloutPhase:
                     for r, p in zip(records, params)]
         out: List[Optional[List[Sample]]] = [None] * len(requests)
         futures = {self._pool.submit(self.engine.generate, [req]): i for i, req in enumerate(requests)}
-        with progress(len(requests), desc, self.progress_bars, unit="req") as bar:
+        with progress(len(requests), desc, self.progress_bars, unit="req") as bar, self.meter.busy():
             for f in as_completed(futures):
                 out[futures[f]] = f.result()
                 bar.update(1)
@@ -168,11 +171,8 @@ class RolloutPhase:
                 break
             round_ += 1
             wanted = math.ceil((target - len(kept)) * cfg.oversample_factor)
-        kept = self._fit(kept[:target])
-        metrics = _metrics(generated, kept, round_, times, failures)
-        # weights trained through step - 1 are the freshest possible: 0 when synchronous, 1 off-policy
-        versions = [int(s.weight_version) if s.weight_version.isdigit() else 0 for g in generated for s in g.samples]
-        metrics["rollout/staleness"] = statistics.fmean(step - 1 - v for v in versions)
+        kept = self.fit(kept[:target])
+        metrics = rollout_metrics(generated, kept, round_, times, failures, step)
         skipped = None
         if not kept:
             rewards = [x for g in generated for x in g.rewards]
@@ -182,7 +182,7 @@ class RolloutPhase:
                        + f"; mean reward {statistics.fmean(rewards):.3f}")
         return RolloutBatch(step, kept, metrics, skipped)
 
-    def _fit(self, groups: List[Group]) -> List[Group]:
+    def fit(self, groups: List[Group]) -> List[Group]:
         """Drop trailing groups until the sequence count divides into the data-parallel micro-batches."""
         n = self.cfg.n_samples_per_prompt
         k = len(groups)
@@ -191,8 +191,9 @@ class RolloutPhase:
         return groups[:k]
 
 
-def _metrics(generated: List[Group], kept: List[Group], rounds: int, times: Dict[str, float],
-             failures: Dict[str, float]) -> Dict[str, float]:
+def rollout_metrics(generated: List[Group], kept: List[Group], rounds: int, times: Dict[str, float],
+                    failures: Dict[str, float], step: int) -> Dict[str, float]:
+    """A step's rollout metrics over the groups it generated (``generated``) and trains on (``kept``)."""
     rewards = [x for g in generated for x in g.rewards]
     samples = [s for g in generated for s in g.samples]
     lengths = [len(s.response_ids) for s in samples]
@@ -211,8 +212,9 @@ def _metrics(generated: List[Group], kept: List[Group], rounds: int, times: Dict
         "reward/entropy_bits": reward_entropy_bits([g.outcomes for g in generated]),  # §i: bits per episode
         "rollout/prompt_tokens": float(sum(len(g.record.prompt_ids) * len(g.samples) for g in generated)),
         "reward/failed": float(sum(sum(g.failed) for g in generated)),
-        "time/rollout": times["rollout"],
-        "time/reward": times["reward"],
+        **{f"time/{k}": v for k, v in times.items()},
+        # the freshest possible is step - 1 (the weights trained through the previous step): 0 when synchronous
+        "rollout/staleness": statistics.fmean(step - 1 - version_number(s.weight_version) for s in samples),
     }
     out.update({f"reward/failed_{k}": v for k, v in failures.items()})
     if kept:

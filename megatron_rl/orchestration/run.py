@@ -3,9 +3,10 @@
 Start-up (:meth:`Run.__enter__`): output directory; tokenizer, prompt data and sampler; reward workers;
 Ray, placement groups, trainer ranks and engine servers (started concurrently); the driver's
 :class:`RemoteEngine` over the servers' URLs; then either resume (trainer checkpoint + the driver's state:
-step, sampler position, a pending off-policy rollout, the step's metrics line) followed by a weight sync,
-or the step-0 check that engines and trainer agree on the probe's log-probs; last, the engine health
-monitor (``engine_health.py``: dead or hung engines are restarted and re-synced). Only a start that got that
+step, sampler position, the rollout mode's state -- a pending one-step rollout, the async stream's groups --,
+the step's metrics line) followed by a weight sync, or the step-0 check that engines and trainer agree on
+the probe's log-probs; then the rollout mode (``modes.py``: where each step's batch comes from) and the
+engine health monitor (``engine_health.py``: dead or hung engines are restarted and re-synced). Only a start that got that
 far writes the resolved ``config.yaml`` (and, with ``overwrite``, removes the previous run's outputs): a
 failed start leaves the output directory as it was.
 
@@ -19,13 +20,11 @@ and trainers hand the GPUs to each other in the order of ``colocation.py``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
 import logging
 import os
-import pickle
 import shutil
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,6 +33,8 @@ from megatron_rl.config import RunConfig, dump_yaml
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
+from megatron_rl.orchestration.activity import idle_fractions
+from megatron_rl.orchestration.modes import OneStepRollouts, Rollouts
 from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class Run:
         self.cfg = cfg
         self.timer = PhaseTimer()
         self.start_step = 0
-        self.pending: Optional[RolloutBatch] = None  # an off-policy rollout restored from a checkpoint
+        self.rollout_state: Optional[dict] = None  # the rollout mode's state restored from a checkpoint
+        self.batches: Rollouts = None  # where each step's batch comes from (rollout.mode)
         self.resumed = False
         self.placement = None
         self._local_ray = None  # the local Ray this run started (placement.LocalRay)
@@ -54,7 +56,6 @@ class Run:
         self.recovery = None  # the EngineMonitor, when engines are launched here and rollout.recovery.enabled
         self.colocation = None  # colocated placement with engines launched here
         self._closers = []
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
 
     # ---- start-up / tear-down ---------------------------------------------------------------------------
     def __enter__(self) -> "Run":
@@ -77,6 +78,8 @@ class Run:
             self.colocation.start()
         self._restore_or_check()
         self._prepare_output_dir()
+        self.batches = self._rollout_mode()
+        self._closers.append(self.batches.close)
         self._start_recovery()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
@@ -84,6 +87,7 @@ class Run:
         self._closers.append(self.metrics.close)
         self._replay_lost_row()
         self.startup_seconds = self.timer.finish_step()["time/step"]  # reported once, not in step 1's time
+        self.rollouts.meter.since_last()  # engine busy time is measured per step from here
 
     def _prepare_output_dir(self) -> None:
         cfg = self.cfg
@@ -180,7 +184,8 @@ class Run:
                    for u in urls]
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)
-        self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s)
+        self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s,
+                                      pause_mode="in_place" if r.partial else None)
         if r.placement == "colocated" and self.placement.engines:
             from megatron_rl.orchestration.colocation import Colocation
 
@@ -227,9 +232,10 @@ class Run:
                 logger.warning("%s; resuming from %s (step %d) instead: resume_step=N picks a checkpoint explicitly, "
                                "deleting the damaged one silences this", problem, os.path.basename(path), state["step"])
             self.sampler.load_state_dict(state["sampler"])
-            pending = state["pending"]
             self.start_step, self.resumed = state["step"], True
-            self.pending = None if pending is None else pickle.loads(pending)
+            # "pending": a one-step rollout, as checkpoints written before rollout.mode stored it
+            self.rollout_state = state.get("rollouts") or ({"pending": state["pending"]} if state.get("pending")
+                                                           else None)
             self._replay_row = state.get("row")
             # engines started from model.hf_path: give them the checkpoint's weights
             stats = self.trainers.sync_weights(version=self.start_step)
@@ -263,7 +269,6 @@ class Run:
                  else "no probe check (rollout.weight_sync.check=false)")
         return f"weights v{stats.version} ({stats.bytes / 2**20:.1f} MiB), {check}"
 
-
     def _replay_lost_row(self) -> None:
         """The resumed step's metrics line, if the interrupted run died between committing its checkpoint and
         writing the line (the checkpoint carries it)."""
@@ -275,8 +280,20 @@ class Run:
         self.metrics.log(step, {**row, **throughput(row, row)})
         logger.warning("step %d's metrics line was lost with the interrupted run: written from its checkpoint", step)
 
+    def _rollout_mode(self) -> Rollouts:
+        cfg = self.cfg
+        mode = cfg.rollout.mode
+        if mode == "one_step":
+            return OneStepRollouts(self.rollout, self.timer, cfg.steps, self.rollout_state)
+        if mode == "async":
+            from megatron_rl.orchestration.async_rollout import AsyncRollouts
+
+            return AsyncRollouts(cfg.rollout, self.rollouts, self.sampler, seed=cfg.seed, timer=self.timer,
+                                 filters=lambda step: not self.is_warmup(step), start_step=self.start_step,
+                                 state=self.rollout_state)
+        return Rollouts(self.rollout, self.timer)
+
     def close(self, failed: bool = False) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)  # an interrupted rollout is abandoned
         for close in reversed(self._closers):
             try:
                 close()
@@ -305,20 +322,6 @@ class Run:
             for i in self._kill_plan.get((step, "rollout"), []):  # fault injection (tests): a crash mid-rollout
                 kill_when_busy(self.engine, i, self.recovery.handles[i])
         return self.rollouts.collect(step, filter_groups=not self.is_warmup(step))
-
-    def rollout_async(self, step: int) -> Optional[concurrent.futures.Future]:
-        """One-step off-policy: start ``step``'s rollout now, on the weights the engines hold. Also past a
-        ``stop_after_steps`` stop: the checkpoint then carries it, and the resumed run trains on exactly the
-        samples the uninterrupted run would have."""
-        if not self.cfg.rollout.off_policy or step > self.cfg.steps:
-            return None
-        return self._executor.submit(self.rollout, step)
-
-    def wait(self, future: Optional[concurrent.futures.Future]) -> Optional[RolloutBatch]:
-        if future is None:
-            return None
-        with self.timer.phase("rollout_wait"):
-            return future.result()
 
     def release_engines(self) -> Dict[str, float]:
         """Colocated: the engines free their memory for the trainer, which takes its state back (memory metrics).
@@ -442,10 +445,9 @@ class Run:
         with self.timer.phase("eval"):
             return self.evaluator.run(step)
 
-    def checkpoint(self, step: int, pending: Optional[RolloutBatch], metrics: Optional[Dict[str, float]] = None,
-                   force: bool = False) -> bool:
-        """Trainer state + the driver's (step, sampler position, the pending off-policy rollout, the step's
-        metrics so far: written on resume if the line itself was lost). Returns whether it saved."""
+    def checkpoint(self, step: int, metrics: Optional[Dict[str, float]] = None, force: bool = False) -> bool:
+        """Trainer state + the driver's (step, sampler position, the rollout mode's state, the step's metrics so
+        far: written on resume if the line itself was lost). Returns whether it saved."""
         cfg = self.cfg
         interval = cfg.checkpoint.interval
         if not (force or (interval and step % interval == 0) or step == cfg.last_step):
@@ -455,12 +457,12 @@ class Run:
         c = cfg.checkpoint
         ckpt = CheckpointConfig(root=cfg.checkpoint_root, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
                                 optimizer_format=c.optimizer_format)
-        # Megatron loads the common state with torch.load(weights_only=True): plain types only, so the pending
-        # off-policy rollout (our dataclasses) travels pickled, as bytes; it is read back only by _restore
+        # Megatron loads the common state with torch.load(weights_only=True): plain types only (the rollout
+        # modes pickle their records into bytes)
         row = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
         row.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
         state = {"version": STATE_VERSION, "step": step, "sampler": self.sampler.state_dict(),
-                 "pending": None if pending is None else pickle.dumps(pending), "row": row}
+                 "rollouts": self.batches.state_dict(), "row": row}
         with self._trainer_state_loaded(), self.timer.phase("checkpoint"):
             path = self.trainers.save_checkpoint(ckpt, {"driver": state}, step)
             if step == cfg.steps and c.save_hf:
@@ -475,6 +477,7 @@ class Run:
 
         metrics = {**metrics, **self.timer.finish_step()}
         metrics.update(throughput(metrics, metrics))
+        metrics.update(idle_fractions(metrics, self.rollouts.meter.since_last()))
         if self.recovery is not None:
             metrics.update(self.recovery.metrics())
         text = {}

@@ -132,8 +132,9 @@ class TrainerGroup:
         return self._call("train_step", per_rank=[(s, objective) for s in shards], version=version)[0]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
-    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float) -> None:
-        self._call("connect_engines", urls, transport, policy, timeout_s)
+    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float,
+                        pause_mode: Optional[str] = None) -> None:
+        self._call("connect_engines", urls, transport, policy, timeout_s, pause_mode)
 
     def sync_weights(self, version: Any, check: Optional[bool] = None):
         return self._call("sync_weights", version, check, version=version)[0]

@@ -175,9 +175,12 @@ class TrainerWorker:
                                "(colocated rollout phase); call reload() first")
 
     # ---- weights ------------------------------------------------------------------------------------
-    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0) -> None:
+    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0,
+                        pause_mode: Optional[str] = None) -> None:
         """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
-        hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport)."""
+        hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport).
+        ``pause_mode="in_place"`` (partial rollouts): each sync holds the engines' running requests in place
+        around the update."""
         from megatron_rl.rollout.weight_sync import WeightSync
 
         self._transport = transport
@@ -197,7 +200,7 @@ class TrainerWorker:
 
                 layout = expert_layout(self.trainer.built.arch)
             clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
-            self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
+            self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport, pause_mode=pause_mode)
             self._init_weight_group(self.engine)
         self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync, transport=self._ipc)
         if self.rank == 0:

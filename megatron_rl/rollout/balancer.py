@@ -15,7 +15,11 @@ new URL). Without ``on_failure`` a failure is raised as before.
 Weight updates go to every server inside SGLang's weight-update session (``/begin_weight_update`` on every
 server first: SGLang refuses updates outside one, and a refused announce would leave the broadcast below
 waiting forever; ``/end_weight_update`` on every server after the last bucket, also after a failure), then
-one ``/flush_cache`` and the version. Two transports:
+one ``/flush_cache`` and the version. With ``pause_mode="in_place"`` (partial rollouts) the whole update runs
+inside ``/pause_generation`` ... ``/continue_generation``: running requests are held between two decode steps,
+take the new weights and version, and go on (SGLang records the version change on them: the response's
+``weight_versions`` spans say which tokens each version produced). SGLang refuses the flush while requests are
+held (their KV cache is in use), so then it is skipped; a server with nothing held is flushed. Two transports:
 
 * ``"tensor"``: ``/update_weights_from_tensor`` with the embedded server's safetensors formats (embedded
   servers only).
@@ -42,12 +46,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_rl.rollout import weight_group
-from megatron_rl.rollout.http_client import SGLangClient, ServerUnavailableError
+from megatron_rl.rollout.http_client import RequestRejected, SGLangClient, ServerUnavailableError
 from megatron_rl.rollout.protocol import EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_outstanding")
+PAUSE_MODES = (None, "in_place")
 TRANSPORTS = ("tensor", "distributed", "ipc")
 
 
@@ -57,13 +62,17 @@ class WeightTransportError(RuntimeError):
 
 class RemoteEngine(RolloutEngine):
     def __init__(self, clients: Sequence[SGLangClient], policy: str = "least_outstanding",
-                 weight_transport: str = "tensor", max_concurrency: int = 64, max_resends: int = 3):
+                 weight_transport: str = "tensor", max_concurrency: int = 64, max_resends: int = 3,
+                 pause_mode: Optional[str] = None):
         if not clients:
             raise ValueError("RemoteEngine needs at least one SGLangClient")
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
         if weight_transport not in TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}: expected one of {TRANSPORTS}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode={pause_mode!r}: expected one of {PAUSE_MODES}")
+        self.pause_mode = pause_mode
         self.clients = list(clients)
         self.policy, self.weight_transport = policy, weight_transport
         self.outstanding = [0] * len(self.clients)
@@ -253,22 +262,40 @@ class RemoteEngine(RolloutEngine):
         if self.weight_transport == "distributed" and self._group is None:
             raise RuntimeError("weight_transport='distributed' needs init_weight_sync(...) first" +
                                (" (the last sync broke the group)" if self._group_args else ""))
+        if self.pause_mode is not None:
+            self._each(lambda c: c.pause_generation(self.pause_mode))
         try:
-            self._each(lambda c: c.begin_weight_update())
-            for bucket in named_tensor_buckets:
-                bucket = list(bucket)
-                if self.weight_transport == "tensor":
-                    self._each(lambda c: c.update_weights_from_tensor([bucket]))
-                else:
-                    self._broadcast(bucket)
-        finally:
             try:
-                self._each(lambda c: c.end_weight_update())
-            except Exception as e:  # noqa: BLE001 - keep the original error
-                log.warning("closing the weight-update session: %s", e)
-        self._each(lambda c: c.flush_cache())
-        self._each(lambda c: c.update_weight_version(version))
-        self.weight_version = version
+                self._each(lambda c: c.begin_weight_update())
+                for bucket in named_tensor_buckets:
+                    bucket = list(bucket)
+                    if self.weight_transport == "tensor":
+                        self._each(lambda c: c.update_weights_from_tensor([bucket]))
+                    else:
+                        self._broadcast(bucket)
+            finally:
+                try:
+                    self._each(lambda c: c.end_weight_update())
+                except Exception as e:  # noqa: BLE001 - keep the original error
+                    log.warning("closing the weight-update session: %s", e)
+            self._each(self._flush)
+            self.update_weight_version(version)
+        finally:
+            if self.pause_mode is not None:
+                self._each(lambda c: c.continue_generation())
+
+    def update_weight_version(self, version: Any) -> None:
+        """Relabel the weights every server holds (SGLang records the change on running requests)."""
+        self._each(lambda c: c.update_weight_version(str(version)))
+        self.weight_version = str(version)
+
+    def _flush(self, client: SGLangClient) -> None:
+        try:
+            client.flush_cache()
+        except RequestRejected:
+            if self.pause_mode is None:
+                raise
+            log.debug("%s holds paused requests: cache not flushed (SGLang refuses while they are held)", client.url)
 
     def _broadcast(self, bucket: List) -> None:
         """Announce ``bucket`` to every server and broadcast it; a refused announce aborts the wait (doc)."""

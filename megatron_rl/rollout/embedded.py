@@ -27,7 +27,7 @@ import itertools
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,6 +38,7 @@ from megatron_rl.rollout.protocol import (
 )
 from megatron_rl.rollout.routing import RoutingRecorder
 from megatron_rl.rollout.sampling import RowParams, derive_seed, make_generator, sample_next
+from megatron_rl.rollout.weight_versions import WeightVersionEvent, compute_spans, record_event
 
 
 SEED_MODES = ("derived", "deterministic", "ignored")
@@ -89,6 +90,7 @@ class _Row:
     matched: Optional[int] = None
     processed: Optional[List[float]] = None  # "processed" log-probs, when the request asked for them
     abort_message: Optional[str] = None
+    version_events: List[WeightVersionEvent] = field(default_factory=list)  # weight_versions.py
 
 
 def _eos_ids(model: torch.nn.Module) -> Tuple[int, ...]:
@@ -109,6 +111,10 @@ class EmbeddedEngine(RolloutEngine):
         self.routing = RoutingRecorder(model)
         self.weights = HFWeightTarget(model)
         self.weight_version = "default"
+        # version changes are recorded on the rows being generated (SGLang's weight-version spans); the lock
+        # orders them with token appends, since a version change may come from another thread mid-batch
+        self._version_lock = threading.Lock()
+        self._live: List[_Row] = []
         self.weights_consistent = True  # False after a failed multi-bucket update (see update_weights)
         self._lock = threading.RLock()  # one forward pass sequence at a time; weight updates wait for it
         self._seed_gen = make_generator(self.config.seed)
@@ -198,10 +204,17 @@ class EmbeddedEngine(RolloutEngine):
                     self.weights_consistent = False
                 raise
             self.weights_consistent = True
-            self.weight_version = str(version)
+            self.update_weight_version(version)
 
     def update_weight_version(self, version: Any) -> None:
-        self.weight_version = str(version)
+        """Set the version reported from now on; rows being generated record the change (SGLang's
+        ``record_weight_version_change``), so their later tokens are attributed to ``version``."""
+        with self._version_lock:
+            version = str(version)
+            if version != self.weight_version:
+                for r in self._live:
+                    record_event(r.version_events, self.weight_version, len(r.tokens))
+                self.weight_version = version
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> List[torch.Tensor]:
         """``[L - 1]`` teacher-forced log-probs of ``token_ids[1:]`` at temperature 1 (protocol doc), from one
@@ -284,6 +297,11 @@ class EmbeddedEngine(RolloutEngine):
     def paused(self) -> bool:
         return not self._unpaused.is_set()
 
+    def live_tokens(self) -> List[int]:
+        """Tokens generated so far by each sequence of the running batch (progress, for tests and tools)."""
+        with self._version_lock:
+            return [len(r.tokens) for r in self._live]
+
     # ---- the decode loop --------------------------------------------------------------------------
 
     def _require_live(self) -> None:
@@ -298,9 +316,11 @@ class EmbeddedEngine(RolloutEngine):
 
     def aborted_sample(self, row: _Row) -> Sample:
         """The answer for a row aborted before it was generated."""
+        version = self.weight_version
         return Sample(prompt_ids=list(row.req.prompt_ids), response_ids=[], logprobs=[], finish_reason="abort",
-                      weight_version=self.weight_version, logprob_mode=self.config.logprob_mode, rid=row.rid,
-                      sample_index=row.index, sampling_logprobs=[] if row.processed is not None else None)
+                      weight_version=version, logprob_mode=self.config.logprob_mode, rid=row.rid,
+                      sample_index=row.index, sampling_logprobs=[] if row.processed is not None else None,
+                      weight_versions=compute_spans([], version, 0))
 
     def generate_rows(self, rows: List[_Row]) -> List[Sample]:
         """Sample one batch of rows (from :meth:`rows`) to the end; one sample per row, in order."""
@@ -329,6 +349,8 @@ class EmbeddedEngine(RolloutEngine):
         self.routing.enabled = want_routes
         routes: List[List[torch.Tensor]] = []  # per forward: [L] x [B*S, K]
         limits = [min(r.req.sampling.max_new_tokens, self.max_context - n) for r, n in zip(rows, lens)]
+        with self._version_lock:
+            self._live = rows
         try:
             self._wait_if_paused(epoch)
             logits, cache = self._prefill(rows, ids, mask, pos, share=not want_routes)
@@ -354,7 +376,10 @@ class EmbeddedEngine(RolloutEngine):
             self.routing.pop()
             for r in rows:
                 self._aborted.discard(r.rid)
-        return [self._to_sample(b, r, lens[b], P, routes) for b, r in enumerate(rows)]
+            with self._version_lock:  # the spans are final once the rows leave the live set
+                self._live = []
+                spans = [compute_spans(r.version_events, self.weight_version, len(r.tokens)) for r in rows]
+        return [self._to_sample(b, r, lens[b], P, routes, spans[b]) for b, r in enumerate(rows)]
 
     def _prefill(self, rows: List[_Row], ids, mask, pos, share: bool):
         """The prompt forward of a batch: ``(last-position logits [B, V], KV cache of B rows)``.
@@ -380,7 +405,8 @@ class EmbeddedEngine(RolloutEngine):
     def _wait_if_paused(self, epoch: int) -> None:
         """Hold the batch while paused. The lock is let go meanwhile so weight updates and version changes
         go through (SGLang's in-place pause, used for partial rollouts): tokens after ``continue`` then
-        come from the new weights, and ``Sample.weight_version`` is the version at finish."""
+        come from the new weights (over the KV cache the old ones computed, as SGLang's in-place pause
+        keeps it), and ``Sample.weight_versions`` says which version produced which tokens."""
         if self._unpaused.is_set():
             return
         self._lock.release()  # held exactly once here: _generate_rows is the only caller
@@ -412,7 +438,8 @@ class EmbeddedEngine(RolloutEngine):
                                    "of cutoff ties. Lower top_k to leave more headroom or increase the server limit.")
                 continue
             tok = tokens[b]
-            r.tokens.append(tok)
+            with self._version_lock:
+                r.tokens.append(tok)
             r.logprobs.append(logprobs[b])
             if r.processed is not None:
                 r.processed.append(processed[b])
@@ -425,7 +452,7 @@ class EmbeddedEngine(RolloutEngine):
             elif len(r.tokens) >= limits[b]:
                 r.finish = "length"
 
-    def _to_sample(self, b: int, r: _Row, n_prompt: int, P: int, routes: List[List[torch.Tensor]]) -> Sample:
+    def _to_sample(self, b: int, r: _Row, n_prompt: int, P: int, routes: List[List[torch.Tensor]], spans) -> Sample:
         top_ids = torch.stack(r.top_ids) if r.top_ids else None
         top_values = torch.stack(r.top_values) if r.top_values else None
         routed = prompt_routed = None
@@ -443,6 +470,6 @@ class EmbeddedEngine(RolloutEngine):
             prompt_ids=list(r.req.prompt_ids), response_ids=r.tokens, logprobs=r.logprobs,
             finish_reason=r.finish or "abort", matched_stop=r.matched, top_logprob_ids=top_ids,
             top_logprob_values=top_values, routed_experts=routed, prompt_routed_experts=prompt_routed,
-            weight_version=self.weight_version, logprob_mode=self.config.logprob_mode, rid=r.rid,
-            sample_index=r.index, sampling_logprobs=r.processed, abort_message=r.abort_message,
+            weight_version=spans[-1].version, logprob_mode=self.config.logprob_mode, rid=r.rid,
+            sample_index=r.index, sampling_logprobs=r.processed, abort_message=r.abort_message, weight_versions=spans,
         )

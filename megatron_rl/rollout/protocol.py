@@ -45,6 +45,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rl.rollout.weight_versions import WeightVersionSpan, token_versions
+
 LOGPROB_MODES = ("raw", "processed")
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -190,6 +192,9 @@ class Sample:
     * ``sampling_logprobs``: ``[R]`` ``"processed"`` log-probs when the request asked for them, else None.
     * ``weight_version``: the engine's version when the sample finished (weights updated during an
       in-place pause make one response span two versions).
+    * ``weight_versions``: the contiguous spans of response tokens each version produced (SGLang 0.5.23's
+      ``meta_info.weight_versions``, ``weight_versions.py``); None when the engine did not report them.
+      :meth:`token_versions` gives the per-token integer policy versions.
     * ``finish_reason``: ``"stop"`` (``matched_stop`` = the stop/EOS token, which is the last response
       token), ``"length"`` (``max_new_tokens`` or the context length reached), ``"abort"``.
     """
@@ -209,6 +214,12 @@ class Sample:
     sample_index: int = 0
     sampling_logprobs: Optional[List[float]] = None
     abort_message: Optional[str] = None  # why an "abort" finish happened, when the engine said
+    weight_versions: Optional[List[WeightVersionSpan]] = None
+
+    def token_versions(self) -> List[int]:
+        """``[R]`` the policy version that produced each response token (``weight_version`` for all of them
+        when the engine reported no spans)."""
+        return token_versions(self.weight_versions, self.weight_version, len(self.response_ids))
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason

@@ -8,7 +8,8 @@ prompt; SGLang's contract rejects unknown keys), ``return_logprob``, ``top_logpr
 ``None``, ids ``>= vocab_size - 1`` reported as 0), ``return_routed_experts``, ``routed_experts_start_len``,
 ``return_sampling_mask`` (adds ``output_token_sampling_logprobs``, the "processed" log-probs), ``rid``.
 Response item: ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|
-"abort", ...}, "prompt_tokens", "completion_tokens", "weight_version", "output_token_logprobs":
+"abort", ...}, "prompt_tokens", "completion_tokens", "weight_version", "weight_versions": [{"version", "start",
+"end"}] (SGLang 0.5.23: which weight version produced which output tokens), "output_token_logprobs":
 [[logprob, id, null]], "output_top_logprobs": [[[logprob, id, null], ...]], "routed_experts": base64}}``.
 A single prompt with ``n > 1`` answers a list of ``n`` items, each child with a fresh ``id`` (not the
 ``rid`` sent); a batch answers one flat list, prompt-major.
@@ -34,6 +35,7 @@ import torch
 from megatron_rl.rollout.protocol import (
     ExpertLayout, GenerateRequest, Sample, SamplingParams, SamplingParamsError,
 )
+from megatron_rl.rollout.weight_versions import spans_from_meta, spans_to_meta
 
 
 class BadRequest(ValueError):
@@ -247,6 +249,8 @@ def sample_to_json(s: Sample, options: Dict[str, Any], i: int, max_new_tokens: i
         "id": s.rid, "finish_reason": finish, "prompt_tokens": len(s.prompt_ids), "weight_version": s.weight_version,
         "completion_tokens": len(s.response_ids), "cached_tokens": 0,
     }
+    if s.weight_versions is not None:  # finished and aborted requests, as SGLang 0.5.23
+        meta.update(spans_to_meta(s.weight_versions, len(s.response_ids)))
     if options["return_logprob"][i]:
         if input_logprobs is not None:
             meta["input_token_logprobs"] = input_logprobs
@@ -374,6 +378,7 @@ def sample_from_json(item: Dict[str, Any], req: GenerateRequest, sample_index: i
         prompt_routed = flat[:P] if R else torch.cat([flat, pad])  # R == 0 (aborted early): P - 1 rows
         routed = torch.cat([flat[P:], pad])[:R]
     message = finish.get("message") if isinstance(finish, dict) and kind == "abort" else None
+    spans = meta.get("weight_versions")
     return Sample(
         prompt_ids=list(req.prompt_ids), response_ids=ids, logprobs=logprobs,
         finish_reason=kind if kind in ("stop", "length", "abort") else "abort",
@@ -382,7 +387,8 @@ def sample_from_json(item: Dict[str, Any], req: GenerateRequest, sample_index: i
         prompt_routed_experts=prompt_routed, weight_version=str(meta.get("weight_version", "default")),
         logprob_mode=mode, rid=meta.get("id"), sample_index=sample_index,
         sampling_logprobs=None if processed is None else [float(v) for v in processed],
-        abort_message=str(message) if message is not None else None)
+        abort_message=str(message) if message is not None else None,
+        weight_versions=None if spans is None else spans_from_meta(spans, len(ids)))
 
 
 # ---- the embedded server's own weight formats (extensions) -----------------------------------------------

@@ -23,7 +23,8 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 Tensor = torch.Tensor
-_TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "routing_disagreement")
+_TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "routing_disagreement",
+                 "policy_version")
 
 
 @dataclass
@@ -49,6 +50,8 @@ class TrainBatch:
             (``megatron_rl.routing.attach_routes``); checked against each micro-batch's tokens before replay.
         routing_disagreement: ``[B, R]`` per-token trainer-vs-engine routing disagreement (fraction of MoE
             layers), from :meth:`PolicyTrainer.forward`; for ``objective.routing_mask``.
+        policy_version: ``[B, R]`` int64 weight version that sampled each response token (-1: padding);
+            ``LossInputs.policy_version``.
     """
 
     input_ids: Tensor
@@ -63,6 +66,7 @@ class TrainBatch:
     group_ids: Optional[Tensor] = None
     route_checksums: Optional[Tensor] = None
     routing_disagreement: Optional[Tensor] = None
+    policy_version: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         ids = self.input_ids
@@ -143,7 +147,8 @@ class TrainBatch:
     def from_sequences(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
                        advantages: Optional[Sequence] = None, loss_masks: Optional[Sequence] = None,
                        rollout_logprobs: Optional[Sequence] = None, routed_experts: Optional[Sequence] = None,
-                       group_ids: Optional[Sequence[int]] = None, pad_id: int = 0) -> "TrainBatch":
+                       group_ids: Optional[Sequence[int]] = None, policy_versions: Optional[Sequence] = None,
+                       pad_id: int = 0) -> "TrainBatch":
         """Pad python/tensor sequences into a batch. ``advantages`` items may be a float (broadcast over the
         response) or per-token; ``routed_experts`` items are ``[P_i + R_i, num_moe_layers, topk]``."""
         B = len(prompts)
@@ -177,7 +182,8 @@ class TrainBatch:
                 re[i, : r.shape[0]] = r
         return cls(ids, plen, rlen, mask, advantages=per_token(advantages, 0.0, torch.float32),
                    rollout_logprobs=per_token(rollout_logprobs, 0.0, torch.float32), routed_experts=re,
-                   group_ids=None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long))
+                   group_ids=None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long),
+                   policy_version=per_token(policy_versions, -1, torch.int64))
 
 
 @dataclass
@@ -202,6 +208,7 @@ class MicroBatch:
     routed_experts: Optional[Tensor]
     route_checksums: Optional[Tensor] = None
     routing_disagreement: Optional[Tensor] = None
+    policy_version: Optional[Tensor] = None
 
     @property
     def size(self) -> int:
@@ -276,5 +283,5 @@ def _micro_batch(batch: TrainBatch, rows: Tensor, pad_multiple: int, fixed: Opti
         rollout_logprobs=tok("rollout_logprobs"), old_logprobs=tok("old_logprobs"), ref_logprobs=tok("ref_logprobs"),
         routed_experts=routed,
         route_checksums=None if batch.route_checksums is None else batch.route_checksums[rows],
-        routing_disagreement=tok("routing_disagreement"),
+        routing_disagreement=tok("routing_disagreement"), policy_version=tok("policy_version"),
     )

@@ -95,6 +95,7 @@ def loss_inputs(stats: TokenStats, mb: MicroBatch) -> LossInputs:
         old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
         entropy=stats.entropy, sum_pi_squared=stats.sum_pi_squared, ref_kl=stats.ref_kl,
         kept_mass=stats.kept_mass, target_kept=stats.target_kept, routing_disagreement=mb.routing_disagreement,
+        policy_version=mb.policy_version,
     )
 
 

@@ -270,3 +270,20 @@ def test_half_precision_inputs_compute_in_fp32():
     assert loss.dtype == torch.float32 and bf.logprobs.grad.dtype == torch.bfloat16
     assert loss.item() == pytest.approx(ref.item(), rel=0.02)  # bf16 rounding of the inputs only
     assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_version_metrics_of_sequences_spanning_weight_versions():
+    """LossInputs.policy_version: the tokens of sequences that span versions (partial rollouts), their largest
+    span and their mismatch; the loss itself is per token already (each token's own behaviour log-prob)."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-0.3, -0.2, -0.1, -0.4], [-1.0, -1.0, -1.0, -1.0]], dtype=f64)
+    mu = lp + torch.tensor([[0.1, -0.2, 0.3, 0.0], [0.05, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=f64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    version = torch.tensor([[3, 3, 5, 9], [4, 4, 4, 4], [2, 3, -1, -1]])  # row 0's last column is padding
+    cfg = ObjectiveConfig(policy=PolicyLossConfig(mode="bypass"), aggregation=AggregationConfig("token_mean"))
+    _, m = rl_loss(_inputs(lp, torch.ones_like(lp), mask, rollout_logprobs=mu, policy_version=version), cfg)
+    assert m["versions/spanning_token_frac"].item() == pytest.approx(5 / 9)  # rows 0 and 2: 3 + 2 tokens
+    assert m["versions/max_span"].item() == 2.0  # row 0: 3..5 (the padded 9 does not count)
+    lam = (lp - mu)[[0, 0, 0, 2, 2], [0, 1, 2, 0, 1]]
+    assert m["mismatch/k3_spanning"].item() == pytest.approx(float((lam.exp() - 1 - lam).mean()), rel=1e-9)
+    _, plain = rl_loss(_inputs(lp, torch.ones_like(lp), mask, rollout_logprobs=mu), cfg)
+    assert "versions/max_span" not in plain

@@ -40,7 +40,13 @@ def test_tiny_recipe_resolves(assets, tmp_path):
     (["parallel.world_size=8", "parallel.tp=8"], ["num_attention_heads=4 is not divisible by the parallel size 8",
                                                   "parallel (tp=8"]),
     (["rollout.sampling.temperature=0.7"], ["rollout.sampling.temperature=0.7 and train.temperature=1.0 differ"]),
-    (["rollout.off_policy=1"], ["rollout.off_policy=1", "rollout.placement=disaggregated"]),
+    (["rollout.mode=one_step"], ["rollout.mode='one_step' generates while the trainer trains",
+                                 "set rollout.placement=disaggregated"]),
+    (["rollout.mode=async"], ["rollout.mode='async'", "colocated", "nothing can overlap"]),
+    (["rollout.max_staleness=0"], ["rollout.max_staleness=0 must be >= 1"]),
+    (["rollout.partial=true"], ["rollout.partial=true", "only rollout.mode='async' has (mode is 'sync')"]),
+    (["rollout.off_policy=1", "rollout.mode=async"], ["rollout.off_policy=1 (deprecated, = rollout.mode='one_step') "
+                                                      "contradicts rollout.mode='async'"]),
     (["rollout.engine=remote"], ["rollout.engine='remote' needs rollout.urls"]),
     (["rollout.sampling.max_new_tokens=60"], ["data.max_prompt_tokens + rollout.sampling.max_new_tokens = 16 + 60",
                                              "max_position_embeddings=64"]),
@@ -72,6 +78,25 @@ def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrid
         _load(assets, tmp_path, *overrides)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_rollout_modes_and_the_deprecated_off_policy_alias(assets, tmp_path, caplog):
+    disaggregated = "rollout.placement=disaggregated"
+    with caplog.at_level("WARNING"):
+        cfg = _load(assets, tmp_path, "rollout.off_policy=1", disaggregated)
+    assert cfg.rollout.mode == "one_step" and cfg.rollout.off_policy is None
+    assert "rollout.off_policy=1 is deprecated: use rollout.mode=one_step" in caplog.text
+    assert _load(assets, tmp_path, "rollout.off_policy=0").rollout.mode == "sync"
+    cfg = _load(assets, tmp_path, "rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true", disaggregated)
+    assert (cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.partial) == ("async", 2, True)
+    # async without decoupled PPO or a rollout correction runs, with a loud warning
+    from megatron_rl.config_checks import ASYNC_WARNING
+
+    plain = ["train.objective.policy.mode=bypass", "train.objective.correction.is_level=null"]
+    with pytest.warns(UserWarning, match=ASYNC_WARNING):
+        _load(assets, tmp_path, "rollout.mode=async", disaggregated, *plain)
+    with pytest.raises(ConfigError, match="one-step-stale samples"):  # one_step keeps its error
+        _load(assets, tmp_path, "rollout.mode=one_step", disaggregated, *plain)
 
 
 def test_tiny_moe_assets_keep_their_own_directory(assets, tmp_path):

@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Benchmark: rollout modes side by side -- ``sync``, ``one_step``, ``async`` (max_staleness 1 and 2).
+
+Throughput (default): a long-tail workload on the tiny recipe's model, disaggregated on CPU: one trainer
+process (TP=1) and one embedded engine process. Response lengths are geometric -- seven of the 64 tokens
+(EOS and the six the random student samples most) stop a response, ~13 % per token -- so the median response
+is ~6 tokens and a few per step reach the 48-token cap, 8x the median: the engines' long tail. Dynamic sampling
+is off and the learning rate tiny, so the length distribution stays put while the modes are timed. Each mode
+runs ``--steps`` steps through ``megatron-rl train`` (its own process, its own Ray); the first two steps
+(start-up, pipeline fill) and the last (the final checkpoint) are not timed. Per mode: steps/s, generated and
+trained tokens/s, the engine's and the trainer's idle fractions, staleness, and the sequences spanning versions.
+
+Reward curves (``--curves``): the tiny recipe itself (imitation warm-up, then GRPO with dynamic sampling and
+token TIS; examples/tiny_cpu.yaml), disaggregated, ``sync`` vs ``async`` (max_staleness 1, partial): greedy
+eval reward every 10 steps.
+
+  python tools/bench_async.py                 # ~10 min on 2 quiet cores
+  python tools/bench_async.py --curves        # + the reward curves (~15 min)
+Prints markdown tables (with the machine's load average); writes JSON to --out
+(default bench_results/bench_async.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_rl.metrics import read_metrics  # noqa: E402
+
+RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
+STOP_TOKENS = [38, 29, 20, 36, 18, 4]  # with EOS (2): ~13 % of the random student's samples
+MODES = {
+    "sync": ["rollout.mode=sync"],
+    "one_step": ["rollout.mode=one_step"],
+    "async k=1": ["rollout.mode=async", "rollout.max_staleness=1", "rollout.partial=true"],
+    "async k=2": ["rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true"],
+    "async k=1 (no partial)": ["rollout.mode=async", "rollout.max_staleness=1"],
+}
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run(args, out_dir: Path, overrides) -> list:
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", RECIPE, f"logging.output_dir={out_dir}", "overwrite=true",
+           "logging.progress=false", "logging.tensorboard=false", "logging.print_samples=0",
+           "checkpoint.save_hf=false", "rollout.placement=disaggregated", *overrides]
+    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return read_metrics(str(out_dir))
+
+
+def throughput(args, assets) -> dict:
+    common = [f"prepare.kind=none", f"model.hf_path={assets['student']}", f"data.path={assets['train.jsonl']}",
+              "data.max_prompt_tokens=8", "warmup.steps=0", "warmup.teacher=null", "eval.interval=0", "eval.data=null",
+              f"steps={args.steps}", "parallel.world_size=1", "parallel.tp=1", "rollout.dynamic_sampling=false",
+              f"rollout.prompts_per_step={args.prompts}", "rollout.n_samples_per_prompt=8",
+              f"train.micro_batch_size={args.micro_batch}", "rollout.sampling.max_new_tokens=48",
+              f"rollout.sampling.stop_token_ids={STOP_TOKENS}", "optim.lr=1e-6", "optim.schedule.min_lr=1e-7",
+              "checkpoint.interval=0"]
+    runs = {name: [] for name in args.modes}
+    for rep in range(args.repeat):  # modes interleaved: a load that drifts over time hits each mode alike
+        for name in args.modes:
+            runs[name].append(measure(args, name, common, rep))
+    results = {}
+    for name, reps in runs.items():
+        best = sorted(reps, key=lambda r: r["steps_per_s"])[len(reps) // 2]  # the median repeat
+        results[name] = dict(best, repeats_steps_per_s=[r["steps_per_s"] for r in reps])
+    return results
+
+
+def measure(args, name, common, rep) -> dict:
+    """One run of one mode: its timed steps' throughput, idle fractions and staleness."""
+    before = load()
+    lines = run(args, Path(args.work) / f"tp_{name.replace(' ', '_')}", common + MODES[name])
+    timed = [m for m in lines if 3 <= m["step"] < args.steps]
+    wall = sum(m["time/step"] for m in timed)
+    lengths = [m["rollout/response_len_mean"] for m in timed]
+    r = dict(
+        steps_per_s=len(timed) / wall, wall_s=wall, steps=len(timed),
+        gen_tokens_per_s=sum(m["rollout/response_tokens"] for m in timed) / wall,
+        train_tokens_per_s=sum(m["train/tokens"] for m in timed) / wall,
+        engine_idle=statistics.fmean(m["perf/engine_idle_frac"] for m in timed),
+        trainer_idle=statistics.fmean(m["perf/trainer_idle_frac"] for m in timed),
+        staleness_mean=statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in timed),
+        staleness_max=max(m.get("rollout/staleness_max", 0.0) for m in timed),
+        partial_frac=statistics.fmean(m.get("rollout/partial_frac", 0.0) for m in timed),
+        response_len_mean=statistics.fmean(lengths),
+        response_len_max=max(m["rollout/response_len_max"] for m in timed),
+        load_before=before, load_after=load())
+    print(f"{name} (repeat {rep}): {r['steps_per_s']:.3f} steps/s (load {before} -> {load()})", flush=True)
+    return r
+
+
+def curves(args, assets) -> dict:
+    common = [f"prepare.kind=none", f"model.hf_path={assets['student']}", f"data.path={assets['train.jsonl']}",
+              f"warmup.teacher={assets['teacher']}", f"eval.data.path={assets['eval.jsonl']}",
+              f"steps={args.curve_steps}", f"warmup.steps={args.curve_steps // 4}",
+              f"optim.schedule.total_steps={args.curve_steps}", "eval.interval=10", "checkpoint.interval=0"]
+    out = {}
+    for name in ("sync", "async k=1"):
+        before = load()
+        start = time.perf_counter()
+        lines = run(args, Path(args.work) / f"curve_{name.replace(' ', '_')}", common + MODES[name])
+        out[name] = dict(eval={m["step"]: m["eval/reward_mean"] for m in lines if "eval/reward_mean" in m},
+                         reward={m["step"]: m["rollout/reward_mean"] for m in lines if "rollout/reward_mean" in m},
+                         wall_s=time.perf_counter() - start, load_before=before, load_after=load())
+        print(f"curve {name}: final eval {list(out[name]['eval'].values())[-1]:.3f} (load {before} -> {load()})",
+              flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
+    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median is reported")
+    ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
+    ap.add_argument("--curves-only", action="store_true")
+    ap.add_argument("--curve-steps", type=int, default=200)
+    ap.add_argument("--work", default="runs/bench_async")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--out", default="bench_results/bench_async.json")
+    args = ap.parse_args()
+    from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
+
+    assets = prepare_tiny_arithmetic(str(Path(args.work) / "assets"))
+    report = {"load_start": load(), "cpus": os.cpu_count(), "args": vars(args)}
+    if not args.curves_only:
+        report["throughput"] = tp = throughput(args, assets)
+        base = tp.get("sync", {}).get("steps_per_s")
+        print(f"\n### Long-tail workload: {args.prompts} prompts x 8 samples per step, 1 trainer + 1 engine process "
+              f"(load average at start {report['load_start']})\n")
+        print("| mode | steps/s (median) | vs sync | each repeat | generated tok/s | trained tok/s | engine idle | "
+              "trainer idle | staleness mean / max | spanning seqs | load (1/5/15 min) before |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, r in tp.items():
+            ratio = f"{r['steps_per_s'] / base:.2f}x" if base else "-"
+            each = ", ".join(f"{x:.2f}" for x in r["repeats_steps_per_s"])
+            print(f"| {name} | {r['steps_per_s']:.3f} | {ratio} | {each} | {r['gen_tokens_per_s']:.0f} | "
+                  f"{r['train_tokens_per_s']:.0f} | {r['engine_idle']:.2f} | {r['trainer_idle']:.2f} | "
+                  f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {r['partial_frac']:.3f} | "
+                  f"{r['load_before']} |")
+    if args.curves or args.curves_only:
+        report["curves"] = cv = curves(args, assets)
+        steps = sorted(set(cv["sync"]["eval"]) | set(cv["async k=1"]["eval"]))
+        print("\n### Reward curves on the tiny task (greedy eval reward)\n")
+        print("| step | " + " | ".join(steps_ := [str(s) for s in steps]) + " |")
+        print("|---|" + "---|" * len(steps_))
+        for name in cv:
+            print(f"| {name} | " + " | ".join(f"{cv[name]['eval'].get(s, float('nan')):.2f}" for s in steps) + " |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
