@@ -20,7 +20,8 @@ Verified on CPU with these patches (tests/distributed): GPTModel forward/backwar
 tied embeddings), EP with the alltoall and allgather dispatchers, expert-TP; Megatron DDP,
 ``finalize_model_grads``, the Megatron and the distributed optimizer with grad clipping;
 dist-checkpointing save/load (checked by hand: its writer needs non-daemonic ranks). Not covered:
-``num_distributed_optimizer_instances > 1`` (CUDA streams), CUDA graphs, context parallelism.
+``num_distributed_optimizer_instances > 1`` (CUDA streams), CUDA graphs. Context parallelism runs with
+the portable core attention (:mod:`megatron_rl.models.attention`) and the RoPE patch below.
 """
 
 from __future__ import annotations
@@ -399,3 +400,28 @@ def _fully_reshardable_load_keeps_step() -> None:
 
     _set_main_param_and_optimizer_states._megatron_rl_compat = True
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+@_patch(
+    reason="context parallelism slices the RoPE table with an index tensor built with pin_memory=True and "
+    ".cuda() (get_pos_emb_on_this_cp_rank)",
+    remove_when="rope_utils.get_pos_emb_on_this_cp_rank builds its index on the table's device",
+)
+def _rope_cp_slice_on_cpu() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    if getattr(rope_utils.get_pos_emb_on_this_cp_rank, "_megatron_rl_compat", False):
+        return
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    get_pos_emb_on_this_cp_rank._megatron_rl_compat = True
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
