@@ -3,13 +3,15 @@ data-parallel shard of the batch, and comes back as one result.
 
 Megatron's collectives need every rank inside the same call, so a method is always invoked on all
 actors before any result is awaited. Per-sequence results (forward log-probs) come from one rank per
-data-parallel replica and are put back together in batch order (``TrainBatch.split`` is contiguous).
+data-parallel replica and are put back together in batch order. The batch is split over data-parallel
+ranks contiguously, or, with a token budget (``work`` given), balanced by estimated work
+(:func:`megatron_rl.training.schedule.rank_rows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -17,13 +19,16 @@ from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
+from megatron_rl.training.schedule import rank_rows
 
 
 class TrainerGroup:
-    def __init__(self, workers: List[Any], progress: Optional[ProgressBoard] = None):
+    def __init__(self, workers: List[Any], progress: Optional[ProgressBoard] = None,
+                 work: Optional[Callable[[List[int]], List[float]]] = None):
         self.workers = workers
         self.infos: List[Dict[str, int]] = []
         self.progress = progress  # draws the bars the ranks report while a call runs
+        self.work = work  # sequence lengths -> estimated work: balance the DP split by it (None: contiguous)
 
     def _call(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
         import ray
@@ -49,27 +54,29 @@ class TrainerGroup:
         return self.infos[0]["dp"]
 
     # ---- batches -------------------------------------------------------------------------------------
-    def _shards(self, batch: TrainBatch) -> List[TrainBatch]:
+    def _shards(self, batch: TrainBatch) -> Tuple[List[Any], torch.Tensor]:
+        """(each worker's shard, the batch row of every shard row in DP-rank order)."""
         import ray
 
-        shards = [ray.put(s) for s in batch.split(self.dp)]  # each shard serialised once
-        return [shards[info["dp_rank"]] for info in self.infos]
+        rows = rank_rows(batch.seq_lengths, self.dp, self.work)
+        shards = [ray.put(batch.select(r)) for r in rows]  # each shard serialised once
+        return [shards[info["dp_rank"]] for info in self.infos], torch.cat(rows)
 
     def _gather(self, results: List[Any]) -> List[Any]:
         by_dp = {r[0]: r[1] for r in results if r is not None}
         return [by_dp[i] for i in range(self.dp)]
 
     def forward(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> ForwardResult:
-        shards = self._shards(batch)
+        shards, order = self._shards(batch)
         parts = self._gather(self._call("forward", per_rank=[(s, objective) for s in shards]))
-        return _concat_forward(parts)
+        return _concat_forward(parts, torch.argsort(order))
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        shards = self._shards(batch)
-        return torch.cat(self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards])))
+        shards, order = self._shards(batch)
+        return torch.cat(self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards])))[torch.argsort(order)]
 
     def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
-        shards = self._shards(batch)
+        shards, _ = self._shards(batch)
         return self._call("train_step", per_rank=[(s, objective) for s in shards])[0]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
@@ -96,14 +103,13 @@ class TrainerGroup:
         self._call("save_hf", path)
 
 
-def _concat_forward(parts: List[ForwardResult]) -> ForwardResult:
-    if len(parts) == 1:
-        return parts[0]
+def _concat_forward(parts: List[ForwardResult], inverse: torch.Tensor) -> ForwardResult:
+    """The DP ranks' results as one, rows back in batch order (``inverse``: batch row -> result row)."""
     fields = {}
     for f in dataclasses.fields(ForwardResult):
         values = [getattr(p, f.name) for p in parts]
         if not isinstance(values[0], torch.Tensor):
             fields[f.name] = values[0]  # None, or metrics already reduced over data parallelism
         else:  # DP shards keep the full batch's response width R (TrainBatch.select): they concatenate
-            fields[f.name] = torch.cat(values)
+            fields[f.name] = torch.cat(values)[inverse]
     return ForwardResult(**fields)

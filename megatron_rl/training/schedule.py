@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -162,12 +162,13 @@ def imbalance(loads: Sequence[float]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def rank_rows(lengths: torch.Tensor, dp: int, work: WorkModel, balance: bool) -> List[torch.Tensor]:
-    """Rows of a step's batch for each data-parallel rank: work-balanced (:func:`assign_to_ranks`) or the
-    contiguous equal split of ``TrainBatch.split``."""
+def rank_rows(lengths: torch.Tensor, dp: int, work: Optional[Callable[[Sequence[int]], List[float]]] = None
+              ) -> List[torch.Tensor]:
+    """Rows of a step's batch for each data-parallel rank: balanced by ``work`` (:func:`assign_to_ranks`),
+    or without it the contiguous equal split of ``TrainBatch.split``."""
     n = lengths.shape[0]
+    if work is not None:
+        return [torch.tensor(r, dtype=torch.long) for r in assign_to_ranks(work(lengths.tolist()), dp)]
     if n % dp:
         raise ValueError(f"cannot split a batch of {n} sequences into {dp} equal parts")
-    if not balance:
-        return [torch.arange(r * (n // dp), (r + 1) * (n // dp)) for r in range(dp)]
-    return [torch.tensor(r, dtype=torch.long) for r in assign_to_ranks(work(lengths.tolist()), dp)]
+    return [torch.arange(r * (n // dp), (r + 1) * (n // dp)) for r in range(dp)]
