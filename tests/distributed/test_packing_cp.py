@@ -175,3 +175,41 @@ def test_context_parallel_equals_data_parallel_and_resumes(tmp_path):
         for name in ("cp2", "dp2"):
             assert all(_rel(a, b) <= RTOL_CP for a, b in zip(out[f"resume/{name}"], ref)), (name, out[f"resume/{name}"],
                                                                                             ref)
+
+
+def _cp_4rank_child(dense, moe):
+    import train_helpers as th
+    from megatron_rl import parallel
+    from megatron_rl.objectives import ObjectiveConfig, RolloutCorrectionConfig
+    from megatron_rl.training import OptimConfig, TrainConfig
+
+    groups = parallel.init_megatron_parallel(parallel.ParallelLayout())
+    batch, moe_batch = th.make_batch(8, seed=0), th.make_batch(8, seed=1, moe_layers=2)
+    obj = ObjectiveConfig(correction=RolloutCorrectionConfig(is_level="token"))
+    out = {"dense/ref": th.plain_autograd_reference(dense, batch, TrainConfig(micro_batch_size=8, objective=obj), groups),
+           "moe/ref": th.plain_autograd_reference(moe, moe_batch, TrainConfig(micro_batch_size=8, objective=obj,
+                                                                              routing_replay=True), groups)}
+    optim = OptimConfig(lr=1e-3, clip_grad=0.0)
+    cases = [("dense", "cp2tp2", dict(cp=2, tp=2), TrainConfig(micro_batch_size=4, objective=obj)),
+             ("dense", "cp2tp2_padded", dict(cp=2, tp=2), TrainConfig(micro_batch_size=2, packing=False, objective=obj)),
+             ("dense", "cp2pp2", dict(cp=2, pp=2), TrainConfig(max_tokens_per_micro_batch=12, objective=obj)),
+             ("moe", "cp2tp2", dict(cp=2, tp=2), TrainConfig(micro_batch_size=4, objective=obj, routing_replay=True))]
+    for kind, name, layout, tc in cases:
+        out[f"{kind}/{name}"] = th.train_run(dense if kind == "dense" else moe, layout,
+                                             batch if kind == "dense" else moe_batch, tc, optim, steps=1, grads=False)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_context_parallel_with_tensor_and_pipeline_parallel(tmp_path):
+    paths = [tiny_hf_checkpoint(str(tmp_path / "d"), "qwen3"), tiny_hf_checkpoint(str(tmp_path / "m"), "qwen3_moe")]
+    results = run_distributed(_cp_4rank_child, 4, *paths, timeout_s=580)
+    for out in results:
+        for name, run in out.items():
+            if name.endswith("/ref"):
+                continue
+            ref = out[name.split("/")[0] + "/ref"]
+            assert not any(run["skipped"]), name
+            assert _rel(run["losses"][0], ref["loss"]) <= RTOL_CP, (name, run["losses"][0], ref["loss"])
+            assert _rel(run["grad_norms"][0], ref["grad_norm"]) <= RTOL_CP, (name, run["grad_norms"][0], ref["grad_norm"])
+        assert out["dense/cp2pp2"]["metrics"]["batch/micro_batches"] >= 2
