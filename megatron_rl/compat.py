@@ -425,3 +425,39 @@ def _rope_cp_slice_on_cpu() -> None:
     get_pos_emb_on_this_cp_rank._megatron_rl_compat = True
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
         module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+@_patch(
+    reason="the unfused RoPE of packed (THD) sequences loops over the sequences in Python (a .item() and "
+    "two slices per sequence, per layer, for q and k): the overhead outweighs packing's saving on short "
+    "sequences; this computes the same frequency gather in a few vectorised ops (bitwise the same values)",
+    remove_when="rope_utils._apply_rotary_pos_emb_thd is vectorised (or RoPE fusion runs on CPU)",
+)
+def _vectorised_thd_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(rope_utils._apply_rotary_pos_emb_thd, "_megatron_rl_compat", False):
+        return
+    bshd = rope_utils._apply_rotary_pos_emb_bshd
+
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
+                                  mscale=1.0, cp_group=None):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided for THD format RoPE")
+        size, rank = cp_group.size(), cp_group.rank()
+        cu = cu_seqlens.to(device=t.device, dtype=torch.long)
+        full = cu[1:] - cu[:-1]
+        local = full // size  # each sequence's rows on this CP rank, back to back in t
+        seq = torch.repeat_interleave(torch.arange(len(local), device=t.device), local, output_size=t.shape[0])
+        index = torch.arange(t.shape[0], device=t.device) - (torch.cumsum(local, 0) - local)[seq]
+        pos = index
+        if size > 1:  # zigzag: chunks rank and 2*size-1-rank of the sequence (Megatron's CP layout)
+            half = (local // 2)[seq]
+            pos = torch.where(index < half, rank * half + index, full[seq] - (rank + 1) * half + index - half)
+        if freqs.size(0) == int(cu[-1]):  # freqs for every stream position: offset by the sequence start
+            pos = pos + cu[:-1][seq]
+        return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
+                    multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    _apply_rotary_pos_emb_thd._megatron_rl_compat = True
+    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Benchmark: tokens/s of one RL train step (PPO loss) with our trainer vs a plain HF-transformers step.
+"""Benchmark: tokens/s of one RL train step (PPO loss): our trainer vs plain HF, and padded vs packed
+micro-batches on RL's long-tailed lengths.
 
 Model: Qwen3 architecture, 4 layers, hidden 256 (4 heads x 64, 2 KV heads), FFN 768, random weights.
-Batch: 16 sequences x 256 tokens (64 prompt + 192 response), 4 micro-batches of 4 sequences.
 
-Rows (each in fresh processes, 2 CPU threads in total):
+Suite ``uniform`` — 16 sequences x 256 tokens (64 prompt + 192 response), 4 micro-batches of 4:
   ours TP=1      PolicyTrainer.train_step, 1 process x 2 threads (Megatron schedule, DDP, distributed Adam;
                  "plain Adam": the non-distributed Megatron optimizer)
   ours TP=2      the same on 2 gloo processes x 1 thread (tensor + sequence parallel)
@@ -13,9 +13,23 @@ Rows (each in fresh processes, 2 CPU threads in total):
   HF + CE        the same HF step with plain cross-entropy on the response tokens
 "fwd" is the forward-only log-prob pass (PolicyTrainer.forward / HF under no_grad) of the same batch.
 
-  python tools/bench_train.py                 # vocab 8192, 3 timed steps after 1 warm-up
-  python tools/bench_train.py --vocab 32000 --steps 5
-Writes a markdown table to stdout and JSON to --out (default bench_results/bench_train.json).
+Suite ``packing`` — 32 sequences: 32 prompt tokens + a lognormal response (sigma 0.8, longest 480: mean/max
+of the responses ~0.25, as RL produces), at TP=1 (1 process x 2 threads) and TP=2 (2 x 1):
+  padded         4 sequences per micro-batch, each padded to its longest, in arrival order
+  padded, sorted the same, sorted by length first (train.group_by_length, the padded default)
+  packed         4 sequences per micro-batch in one [1, T] stream (train.packing)
+  packed+budget  packed under train.max_tokens_per_micro_batch=2048 (forward: 4096), work balanced
+plus the portable attention's two packed implementations (per-sequence SDPA vs one block-diagonal mask)
+and a batch whose longest sequence (1000 tokens) exceeds a 512-token budget: an error at CP=1, trained
+at CP=2 (2 processes x 1 thread, each holding half of every sequence). Tokens/s count real tokens only;
+peak memory is the largest resident set of a rank's process (CPU; on CUDA, max allocated).
+
+Suite ``tiny`` — the tiny recipe's model and batch shape (512 sequences of 5-10 tokens, TP=2): padded
+(its old setting) vs packed vs packed under a token budget, which decides examples/tiny_cpu.yaml.
+
+  python tools/bench_train.py                  # both suites, vocab 8192, median of 3 steps after a warm-up
+  python tools/bench_train.py --suite packing --steps 2
+Writes markdown tables to stdout and JSON to --out (default bench_results/bench_train.json).
 """
 
 from __future__ import annotations
@@ -99,8 +113,8 @@ def _hf(path: str, vocab: int, steps: int, loss: str):
                 stats = loss_glue.token_stats(logits, mb, cfg, tp_group=None, vocab_size=vocab)
                 value, _ = rl_loss(loss_glue.loss_inputs(stats, mb), cfg.objective, ReduceGroups(), norm)
             else:
-                rows = logits.gather(1, mb.logit_index[..., None].expand(-1, -1, logits.shape[-1]))
-                tgt = mb.targets.gather(1, mb.logit_index)
+                rows = logits.reshape(-1, logits.shape[-1])[mb.logit_index]  # [b, r, V] at the response tokens
+                tgt = mb.targets.reshape(-1)[mb.logit_index]
                 value = torch.nn.functional.cross_entropy(rows.flatten(0, 1), tgt.flatten()) / len(mbs)
             value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,33 +129,185 @@ def _hf(path: str, vocab: int, steps: int, loss: str):
     return {"train_s": _timed(step, steps), "fwd_s": _timed(forward, steps)}
 
 
+def _longtail_batch(vocab: int, n: int = 32, prompt: int = 32, longest: int = 480, sigma: float = 0.8,
+                    giant: int = 0):
+    """Responses at the lognormal's quantiles scaled so the longest is ``longest``, shuffled (arrival
+    order); ``giant``: the first response replaced by one of that many tokens."""
+    from megatron_rl.training import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.distributions.Normal(0.0, 1.0).icdf((torch.arange(n) + 0.5) / n)
+    lengths = torch.exp(sigma * z)
+    lengths = (lengths / lengths.max() * longest).round().clamp(min=1).long()[torch.randperm(n, generator=g)]
+    if giant:
+        lengths[0] = giant - prompt
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g) for _ in range(n)]
+    responses = [torch.randint(0, vocab, (int(k),), generator=g) for k in lengths]
+    batch = TrainBatch.from_sequences(prompts, responses, advantages=torch.randn(n, generator=g).tolist())
+    B, R = batch.response_mask.shape
+    lp = -torch.rand(B, R, generator=g) * 3 - 5
+    return batch.replace(rollout_logprobs=lp, old_logprobs=lp + 0.01)
+
+
+def _peak_mib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _tiny_batch(vocab: int, n: int = 512):
+    """The tiny recipe's shape: 512 sequences of a 4-6 token prompt and a 1-4 token response."""
+    from megatron_rl.training import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (int(k),), generator=g) for k in torch.randint(4, 7, (n,), generator=g)]
+    responses = [torch.randint(3, vocab, (int(k),), generator=g) for k in torch.randint(1, 5, (n,), generator=g)]
+    batch = TrainBatch.from_sequences(prompts, responses, advantages=torch.randn(n, generator=g).tolist())
+    lp = -torch.rand(batch.response_mask.shape, generator=g) * 3 - 1
+    return batch.replace(rollout_logprobs=lp, old_logprobs=lp + 0.01)
+
+
+def _packing_case(path: str, layout: dict, vocab: int, steps: int, train: dict, impl: str = "per_sequence",
+                  giant: int = 0, tiny: bool = False):
+    import torch.distributed as dist
+
+    from megatron_rl import parallel
+    from megatron_rl.models import attention
+    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
+
+    attention.PACKED_IMPL = impl
+    groups = parallel.init_megatron_parallel(parallel.ParallelLayout(**layout))
+    trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(**train), groups, OptimConfig(lr=1e-5))
+    batch = _tiny_batch(vocab) if tiny else _longtail_batch(vocab, giant=giant)
+    try:
+        last = {}
+        train_s = _timed(lambda: last.update(r=trainer.train_step(batch)), steps)
+    except ValueError as e:
+        return {"error": str(e)}
+    fwd_s = _timed(lambda: trainer.forward(batch), steps)
+    peak = torch.tensor([_peak_mib()])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    m = last["r"].metrics
+    return {"train_s": train_s, "fwd_s": fwd_s, "real_tokens": int(batch.seq_lengths.sum()), "peak_mib": float(peak),
+            "padding_frac": m["batch/padding_frac"], "micro_batches": m["batch/micro_batches"],
+            "longest": int(batch.seq_lengths.max()), "mean_over_max_response": float(
+                batch.response_lengths.float().mean() / batch.response_lengths.max())}
+
+
+PACKING_CASES = [  # name, train config
+    ("padded", dict(packing=False, micro_batch_size=4, group_by_length=False)),
+    ("padded, sorted", dict(packing=False, micro_batch_size=4)),
+    ("packed", dict(micro_batch_size=4)),
+    ("packed+budget", dict(max_tokens_per_micro_batch=2048, forward_max_tokens_per_micro_batch=4096)),
+]
+
+
+def _packing_suite(path: str, vocab: int, steps: int) -> list:
+    rows = []
+
+    def run(name, procs, layout, train, impl="per_sequence", giant=0):
+        n = layout.get("tp", 1) * layout.get("cp", 1)
+        r = run_distributed(_packing_case, n, path, layout, vocab, steps, train, impl, giant, threads_per_rank=2 // n,
+                            timeout_s=3600)[0]
+        rows.append({"name": name, "procs": procs, **r})
+        print(f"  {name} ({procs}): {r}", file=sys.stderr, flush=True)
+
+    for tp in (1, 2):
+        procs = "1 proc x 2 threads" if tp == 1 else "2 procs x 1 thread"
+        for name, train in PACKING_CASES:
+            run(f"{name}, TP={tp}", procs, dict(tp=tp), train)
+    run("packed+budget, TP=1, block-diagonal attention", "1 proc x 2 threads", {}, PACKING_CASES[-1][1],
+        impl="block_diagonal")
+    budget = dict(max_tokens_per_micro_batch=512, forward_max_tokens_per_micro_batch=512)
+    run("longest 1000 > budget 512, CP=1", "1 proc x 2 threads", {}, budget, giant=1000)
+    run("longest 1000 > budget 512, CP=2", "2 procs x 1 thread", dict(cp=2), budget, giant=1000)
+    return rows
+
+
+TINY_CASES = [  # the tiny recipe at TP=2: micro_batch_size 64 of its 512 sequences per step
+    ("padded, sorted", dict(packing=False, micro_batch_size=64)),
+    ("packed", dict(micro_batch_size=64)),
+    ("packed+budget", dict(max_tokens_per_micro_batch=1024, forward_max_tokens_per_micro_batch=2048)),
+]
+
+
+def _tiny_suite(path: str, steps: int) -> list:
+    rows = []
+    for name, train in TINY_CASES:
+        r = run_distributed(_packing_case, 2, path, dict(tp=2), 64, steps, train, "per_sequence", 0, True,
+                            threads_per_rank=1, timeout_s=3600)[0]
+        rows.append({"name": f"{name}, TP=2", "procs": "2 procs x 1 thread", **r})
+        print(f"  {name}: {r}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _print_packing(rows: list, title: str) -> None:
+    print(f"\n{title}, fp32, {os.cpu_count()} cores\n")
+    print("| run | processes | micro-batches | padding | train step (s) | train real tokens/s | fwd real tokens/s "
+          "| peak memory (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | {r['procs']} | — | — | error: {r['error'][:90]}… | — | — | — |")
+            continue
+        print(f"| {r['name']} | {r['procs']} | {r['micro_batches']:.0f} | {r['padding_frac']:.0%} | {r['train_s']:.2f} "
+              f"| {r['real_tokens'] / r['train_s']:.0f} | {r['real_tokens'] / r['fwd_s']:.0f} | {r['peak_mib']:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported) after one warm-up")
+    ap.add_argument("--suite", choices=("uniform", "packing", "tiny", "all"), default="all")
     ap.add_argument("--out", default="bench_results/bench_train.json")
     args = ap.parse_args()
+    result = {"vocab": args.vocab, "model": MODEL, "cores": os.cpu_count(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.suite in ("packing", "all"):
+            path = tiny_hf_checkpoint(os.path.join(tmp, "long"), "qwen3", vocab_size=args.vocab,
+                                      **{**MODEL, "max_position_embeddings": 1024})
+            rows = result["packing"] = _packing_suite(path, args.vocab, args.steps)
+            first = next(r for r in rows if "train_s" in r)
+            _print_packing(rows, f"Qwen3 4x256 (FFN 768), vocab {args.vocab}, 32 sequences: 32 prompt + lognormal "
+                                 f"response tokens (longest {first['longest']}, response mean/max "
+                                 f"{first['mean_over_max_response']:.2f}, {first['real_tokens']} real tokens)")
+        if args.suite in ("tiny", "all"):
+            from megatron_rl.data.tiny_task import TINY_QWEN3
+
+            path = tiny_hf_checkpoint(os.path.join(tmp, "tiny"), "qwen3", **TINY_QWEN3)
+            rows = result["tiny"] = _tiny_suite(path, args.steps)
+            _print_packing(rows, f"the tiny recipe's model and batch shape (Qwen3 2x64, vocab 64, 512 sequences, "
+                                 f"{rows[0]['real_tokens']} real tokens)")
+        if args.suite in ("uniform", "all"):
+            result["uniform"] = _uniform_suite(tmp, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+def _uniform_suite(tmp: str, args) -> list:
     tokens = BATCH * (PROMPT + RESPONSE)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = tiny_hf_checkpoint(os.path.join(tmp, "qwen3"), "qwen3", vocab_size=args.vocab, **MODEL)
-        runs = [
-            ("ours TP=1", "1 proc x 2 threads", lambda: run_distributed(_ours, 1, path, 1, args.vocab, args.steps,
-                                                                         threads_per_rank=2, timeout_s=1800)),
-            ("ours TP=1, plain Adam", "1 proc x 2 threads", lambda: run_distributed(
-                _ours, 1, path, 1, args.vocab, args.steps, False, threads_per_rank=2, timeout_s=1800)),
-            ("ours TP=2", "2 procs x 1 thread", lambda: run_distributed(_ours, 2, path, 2, args.vocab, args.steps,
-                                                                         threads_per_rank=1, timeout_s=1800)),
-            ("HF + PG loss", "1 proc x 2 threads", lambda: run_distributed(_hf, 1, path, args.vocab, args.steps, "pg",
-                                                                            threads_per_rank=2, timeout_s=1800)),
-            ("HF + CE", "1 proc x 2 threads", lambda: run_distributed(_hf, 1, path, args.vocab, args.steps, "ce",
-                                                                       threads_per_rank=2, timeout_s=1800)),
-        ]
-        for name, procs, run in runs:
-            r = run()[0]
-            rows.append({"name": name, "procs": procs, **r, "train_tokens_per_s": tokens / r["train_s"],
-                         "fwd_tokens_per_s": tokens / r["fwd_s"]})
-            print(f"  {name}: {r}", file=sys.stderr, flush=True)
+    path = tiny_hf_checkpoint(os.path.join(tmp, "qwen3"), "qwen3", vocab_size=args.vocab, **MODEL)
+    runs = [  # name, processes, function, ranks, arguments after (path, vocab, steps)
+        ("ours TP=1", "1 proc x 2 threads", _ours, 1, (1,)),
+        ("ours TP=1, plain Adam", "1 proc x 2 threads", _ours, 1, (1, False)),
+        ("ours TP=2", "2 procs x 1 thread", _ours, 2, (2,)),
+        ("HF + PG loss", "1 proc x 2 threads", _hf, 1, ("pg",)),
+        ("HF + CE", "1 proc x 2 threads", _hf, 1, ("ce",)),
+    ]
+    for name, procs, fn, n, extra in runs:
+        if fn is _ours:
+            r = run_distributed(fn, n, path, extra[0], args.vocab, args.steps, *extra[1:], threads_per_rank=2 // n,
+                                timeout_s=1800)[0]
+        else:
+            r = run_distributed(fn, n, path, args.vocab, args.steps, *extra, threads_per_rank=2, timeout_s=1800)[0]
+        rows.append({"name": name, "procs": procs, **r, "train_tokens_per_s": tokens / r["train_s"],
+                     "fwd_tokens_per_s": tokens / r["fwd_s"]})
+        print(f"  {name}: {r}", file=sys.stderr, flush=True)
     print(f"\nQwen3 4x256 (FFN 768), vocab {args.vocab}, {BATCH} x {PROMPT + RESPONSE} tokens, "
           f"micro-batch {MICRO}, fp32, {os.cpu_count()} cores\n")
     print("| run | processes | train step (s) | train tokens/s | fwd log-probs (s) | fwd tokens/s |")
@@ -149,11 +315,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['name']} | {r['procs']} | {r['train_s']:.2f} | {r['train_tokens_per_s']:.0f} | "
               f"{r['fwd_s']:.2f} | {r['fwd_tokens_per_s']:.0f} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"vocab": args.vocab, "batch": BATCH, "seq": PROMPT + RESPONSE, "micro_batch": MICRO,
-                               "model": MODEL, "cores": os.cpu_count(), "torch": torch.__version__, "rows": rows},
-                              indent=2))
+    return rows
 
 
 if __name__ == "__main__":
