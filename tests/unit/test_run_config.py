@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_rl import cli
+from megatron_rl import cli, config_io
 from megatron_rl.config import RunConfig, load_run_config, resolve_mapping, build_run_config
 from megatron_rl.config_checks import check_run_config
 from megatron_rl.config_io import ConfigError
@@ -147,6 +147,12 @@ def test_gpu_recipes_are_consistent(tmp_path):
         assert (p.world_size, (p.tp, p.pp, p.ep)) == (world, layout)
         assert cfg.rollout.engine == "sglang" and cfg.rollout.transport == "distributed"
         assert cfg.slurm is not None and cfg.slurm.gpus_per_node == 8
+        assert cfg.train.packing and cfg.train.max_tokens_per_micro_batch >= 5120
+        # the long-context variant the recipes describe: twice the ranks, every sequence split over 2
+        long = build_run_config(config_io.merge(mapping, config_io.parse_overrides(
+            [f"parallel.world_size={2 * world}", "parallel.cp=2", "rollout.weight_sync.check=false"])))
+        check_run_config(long, files=False)
+        assert long.parallel.dp == cfg.parallel.dp
 
 
 def test_cli_dry_run_and_config_error_exit_codes(assets, tmp_path, capsys):
