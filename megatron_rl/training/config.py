@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
@@ -153,10 +153,11 @@ class TrainConfig:
     def token_budget(self) -> bool:
         return self.max_tokens_per_micro_batch > 0
 
-    def tokens_per_micro_batch(self, forward_only: bool) -> int:
-        """Token budget per CP rank of a pass (0: fixed ``micro_batch_size``)."""
-        return (self.forward_max_tokens_per_micro_batch or self.max_tokens_per_micro_batch) if forward_only \
-            else self.max_tokens_per_micro_batch
+    def token_budget_of(self, forward_only: bool) -> Tuple[int, str]:
+        """(token budget per CP rank of a pass, the field that sets it); 0: fixed ``micro_batch_size``."""
+        if forward_only and self.forward_max_tokens_per_micro_batch:
+            return self.forward_max_tokens_per_micro_batch, "train.forward_max_tokens_per_micro_batch"
+        return self.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch"
 
     @property
     def needs_reference_logits(self) -> bool:

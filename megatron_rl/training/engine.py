@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import logging
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,6 @@ class PolicyTrainer:
         # each CP rank's share of a row / stream must split over TP under sequence parallelism
         self._pad_multiple = math.lcm(train.pad_to_multiple, (groups.layout.tp if sp else 1) * cp)
         self.work = WorkModel.from_arch(self.built.arch)
-        self.batch_stats: Dict[str, float] = {}  # the last pass's batch/* metrics (see _micro_batches)
         self._mp_group = ps.get_model_parallel_group()  # read once, at the edge
         self.routing = TrainerRouting(self)  # MoE routing replay, agreement metrics, the routing mask's input
         self.ref: Optional[BuiltModel] = None
@@ -118,12 +117,12 @@ class PolicyTrainer:
         of the current weights, on every rank of this data-parallel replica. ``objective``: as in
         :meth:`train_step` (it sets e.g. the direction of ``ref_kl``)."""
         with self._objective(objective):
-            mbs = self._micro_batches(batch, forward_only=True)
+            mbs, batch_metrics = self._micro_batches(batch, forward_only=True)
             ref = self._reference_logits(mbs)
             tracker = self.routing.tracker(batch)
             payloads = self._stats_pass(mbs, ref, tracker)
             result = self.routing.finish_forward(self._assemble(batch, mbs, payloads), batch, tracker)
-            result.metrics.update({f"batch/forward_{k[6:]}": v for k, v in self.batch_stats.items()})
+            result.metrics.update(batch_metrics)
             return result
 
     def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
@@ -159,8 +158,7 @@ class PolicyTrainer:
             raise ValueError("policy.mode='decoupled' needs TrainBatch.old_logprobs: run trainer.forward(batch) first "
                              "and pass batch.replace(old_logprobs=result.logprobs), or use policy.mode='bypass'")
         batch = self.routing.prepare(batch)  # the routing mask's input, if it needs one and it is missing
-        mbs = self._micro_batches(batch, forward_only=False)
-        batch_metrics = dict(self.batch_stats)
+        mbs, batch_metrics = self._micro_batches(batch, forward_only=False)
         self._check_same_count_over_dp(len(mbs))
         routing_metrics = self.routing.before_step(batch, mbs)  # diagnostics at the pre-update weights
         lr_before = self.lr
@@ -233,46 +231,41 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------------------
     # Batches
     # ------------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch, forward_only: bool) -> List[MicroBatch]:
-        """This rank's micro-batches of ``batch`` (a fixed count, or packed under the pass's token budget
-        with the same count on every DP rank); sets :attr:`batch_stats` (collective over DP)."""
+    def _micro_batches(self, batch: TrainBatch, forward_only: bool) -> Tuple[List[MicroBatch], Dict[str, float]]:
+        """This rank's micro-batches of ``batch`` — a fixed count, or packed under the pass's token budget
+        with the same count on every DP rank — and the pass's ``batch/*`` metrics (collective over DP)."""
         if not isinstance(batch, TrainBatch):
             raise ValueError(f"expected a TrainBatch, got {type(batch).__name__}")
         self._check_batch(batch)
         cfg, lay = self.cfg, self.groups.layout
-        budget = cfg.tokens_per_micro_batch(forward_only)
-        tokens = packed_lengths(batch.seq_lengths, lay.cp).tolist() if cfg.packing else batch.seq_lengths.tolist()
+        tokens = (packed_lengths(batch.seq_lengths, lay.cp) if cfg.packing else batch.seq_lengths).tolist()
         work = self.work(tokens)
+        budget, field = cfg.token_budget_of(forward_only)
         if budget:
-            field = "train.forward_max_tokens_per_micro_batch" if forward_only and cfg.forward_max_tokens_per_micro_batch \
-                else "train.max_tokens_per_micro_batch"
-            plan = dict(cap=budget * lay.cp, multiple=stream_multiple(self._pad_multiple, lay.cp), field=field,
-                        cp=lay.cp)
+            plan = dict(cap=budget * lay.cp, multiple=stream_multiple(self._pad_multiple, lay.cp), field=field, cp=lay.cp)
             bins = pack(tokens, work, **plan)
-            t = torch.tensor([len(bins)], dtype=torch.int64)
-            self._all_reduce(t, dist.ReduceOp.MAX, self.groups.dp)  # the same count on every DP rank
-            if int(t[0]) != len(bins):
-                bins = pack(tokens, work, count=int(t[0]), **plan)
+            count = torch.tensor([len(bins)], dtype=torch.int64)
+            self._all_reduce(count, dist.ReduceOp.MAX, self.groups.dp)  # the same count on every DP rank
+            if int(count) != len(bins):
+                bins = pack(tokens, work, count=int(count), **plan)
             groups = [torch.tensor(g, dtype=torch.long) for g in bins]
         else:
             groups = fixed_size_groups(batch, cfg.micro_batch_size, cfg.group_by_length)
         mbs = build_micro_batches(batch, groups, pad_multiple=self._pad_multiple, same_length=self._same_length,
                                   packed=cfg.packing, cp_size=lay.cp, cp_rank=self.groups.cp_rank)
-        self.batch_stats = self._batch_metrics(mbs, sum(work))
-        return mbs
+        return mbs, self._batch_metrics(mbs, sum(work), "batch/forward_" if forward_only else "batch/")
 
-    def _batch_metrics(self, mbs: List[MicroBatch], work: float) -> Dict[str, float]:
-        """``batch/padding_frac`` (padding share of the positions computed), ``batch/dp_imbalance`` (max /
-        mean estimated work over DP ranks), ``batch/micro_batches`` (per rank), over the whole step."""
-        sums = torch.tensor([sum(mb.token_slots for mb in mbs), sum(mb.real_tokens for mb in mbs)],
-                            dtype=torch.float64)
-        self._all_reduce(sums, dist.ReduceOp.SUM, self.groups.dp)
+    def _batch_metrics(self, mbs: List[MicroBatch], work: float, prefix: str) -> Dict[str, float]:
+        """``padding_frac`` (padding share of the positions computed), ``dp_imbalance`` (max / mean estimated
+        work over DP ranks), ``micro_batches`` (per rank), over the whole pass; one all-reduce over DP."""
         dp = dist.get_world_size(self.groups.dp)
-        loads = torch.zeros(dp, dtype=torch.float64)
-        loads[self.groups.dp_rank] = work
-        self._all_reduce(loads, dist.ReduceOp.SUM, self.groups.dp)
-        return {"batch/padding_frac": float(1 - sums[1] / sums[0].clamp(min=1)),
-                "batch/dp_imbalance": imbalance(loads.tolist()), "batch/micro_batches": float(len(mbs))}
+        buf = torch.zeros(2 + dp, dtype=torch.float64)
+        buf[0] = sum(mb.token_slots for mb in mbs)
+        buf[1] = sum(mb.real_tokens for mb in mbs)
+        buf[2 + self.groups.dp_rank] = work
+        self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.dp)
+        return {f"{prefix}padding_frac": float(1 - buf[1] / buf[0].clamp(min=1)),
+                f"{prefix}dp_imbalance": imbalance(buf[2:].tolist()), f"{prefix}micro_batches": float(len(mbs))}
 
     def _check_batch(self, batch: TrainBatch) -> None:
         arch = self.built.arch
