@@ -73,7 +73,8 @@ class TrainerGroup:
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         shards, order = self._shards(batch)
-        return torch.cat(self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards])))[torch.argsort(order)]
+        parts = self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards]))
+        return torch.cat(parts)[torch.argsort(order)]
 
     def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
         shards, _ = self._shards(batch)

@@ -242,7 +242,8 @@ class PolicyTrainer:
         work = self.work(tokens)
         budget, field = cfg.token_budget_of(forward_only)
         if budget:
-            plan = dict(cap=budget * lay.cp, multiple=stream_multiple(self._pad_multiple, lay.cp), field=field, cp=lay.cp)
+            plan = dict(cap=budget * lay.cp, multiple=stream_multiple(self._pad_multiple, lay.cp), field=field,
+                        cp=lay.cp)
             bins = pack(tokens, work, **plan)
             count = torch.tensor([len(bins)], dtype=torch.int64)
             self._all_reduce(count, dist.ReduceOp.MAX, self.groups.dp)  # the same count on every DP rank

@@ -15,6 +15,7 @@ other shapes); CP2 vs CP1 <= 5e-7.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -61,7 +62,8 @@ def _equal_child(dense, dense_ref, moe, moe_ref):
     from megatron_rl.training import PolicyTrainer, TrainBatch, TrainConfig
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout())
-    trainer = PolicyTrainer(ModelConfig(hf_path=dense), TrainConfig(max_tokens_per_micro_batch=256), groups)  # one stream
+    one_stream = TrainConfig(max_tokens_per_micro_batch=256)
+    trainer = PolicyTrainer(ModelConfig(hf_path=dense), one_stream, groups)
     a, b = th.make_batch(4, seed=7), th.make_batch(4, seed=8, max_prompt=9, max_response=12)
     mixed = TrainBatch.from_sequences(
         [a.input_ids[0, : a.prompt_lengths[0]]] + [b.input_ids[i, : b.prompt_lengths[i]] for i in (1, 2, 3)],
@@ -186,12 +188,14 @@ def _cp_4rank_child(dense, moe):
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout())
     batch, moe_batch = th.make_batch(8, seed=0), th.make_batch(8, seed=1, moe_layers=2)
     obj = ObjectiveConfig(correction=RolloutCorrectionConfig(is_level="token"))
-    out = {"dense/ref": th.plain_autograd_reference(dense, batch, TrainConfig(micro_batch_size=8, objective=obj), groups),
-           "moe/ref": th.plain_autograd_reference(moe, moe_batch, TrainConfig(micro_batch_size=8, objective=obj,
-                                                                              routing_replay=True), groups)}
+    whole = TrainConfig(micro_batch_size=8, objective=obj)
+    out = {"dense/ref": th.plain_autograd_reference(dense, batch, whole, groups),
+           "moe/ref": th.plain_autograd_reference(moe, moe_batch, dataclasses.replace(whole, routing_replay=True),
+                                                  groups)}
     optim = OptimConfig(lr=1e-3, clip_grad=0.0)
     cases = [("dense", "cp2tp2", dict(cp=2, tp=2), TrainConfig(micro_batch_size=4, objective=obj)),
-             ("dense", "cp2tp2_padded", dict(cp=2, tp=2), TrainConfig(micro_batch_size=2, packing=False, objective=obj)),
+             ("dense", "cp2tp2_padded", dict(cp=2, tp=2),
+              TrainConfig(micro_batch_size=2, packing=False, objective=obj)),
              ("dense", "cp2pp2", dict(cp=2, pp=2), TrainConfig(max_tokens_per_micro_batch=12, objective=obj)),
              ("moe", "cp2tp2", dict(cp=2, tp=2), TrainConfig(micro_batch_size=4, objective=obj, routing_replay=True))]
     for kind, name, layout, tc in cases:
@@ -211,5 +215,6 @@ def test_context_parallel_with_tensor_and_pipeline_parallel(tmp_path):
             ref = out[name.split("/")[0] + "/ref"]
             assert not any(run["skipped"]), name
             assert _rel(run["losses"][0], ref["loss"]) <= RTOL_CP, (name, run["losses"][0], ref["loss"])
-            assert _rel(run["grad_norms"][0], ref["grad_norm"]) <= RTOL_CP, (name, run["grad_norms"][0], ref["grad_norm"])
+            assert _rel(run["grad_norms"][0], ref["grad_norm"]) <= RTOL_CP, (name, run["grad_norms"][0],
+                                                                              ref["grad_norm"])
         assert out["dense/cp2pp2"]["metrics"]["batch/micro_batches"] >= 2

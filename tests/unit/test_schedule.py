@@ -87,8 +87,9 @@ def test_a_sequence_longer_than_the_cap_names_length_cap_and_fix():
                                          r" raise train.max_tokens_per_micro_batch to at least 300 or use context "
                                          r"parallelism \(parallel.cp\)"):
         pack([10, 300, 20], [1.0, 1.0, 1.0], 256)
-    with pytest.raises(ValueError, match=r"does not fit train.forward_max_tokens_per_micro_batch=100 \(x parallel.cp=2"
-                                         r" = 200 tokens per micro-batch\); raise .* to at least 150 or raise parallel.cp"):
+    with pytest.raises(ValueError, match=r"does not fit train.forward_max_tokens_per_micro_batch=100 \(x parallel.cp="
+                                         r"2 = 200 tokens per micro-batch\); raise .* to at least 150 or raise "
+                                         r"parallel.cp"):
         pack([300], [1.0], 200, cp=2, field="train.forward_max_tokens_per_micro_batch")
 
 
