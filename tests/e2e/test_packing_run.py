@@ -2,7 +2,8 @@
 (``parallel.cp=2 parallel.tp=1``: every sequence split over the two trainer ranks), against the padded run.
 
 The three runs sample the same first batch (same seed, same start weights), so the first step's loss and
-gradient norm must agree to float32 round-off; the later steps must run and stay finite. The full-length
+gradient norm must agree to float32 round-off; the later steps must run and stay finite (the third, GRPO
+step trains only if dynamic sampling keeps a group). The full-length
 comparison (reward curves over the whole recipe) is quoted in the README.
 """
 
@@ -33,9 +34,10 @@ def test_packed_budget_and_context_parallel_runs_match_the_padded_run(tmp_path):
         lines[name] = read_metrics(str(out))
         assert [m["step"] for m in lines[name]] == [0, 1, 2, 3]
     for name, ms in lines.items():
-        for m in ms[1:]:
+        trained = [m for m in ms[1:] if "train/loss" in m]  # (dynamic sampling may leave a GRPO step empty)
+        assert [m["step"] for m in trained][:2] == [1, 2], name  # the two warm-up steps train
+        for m in trained:
             assert math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"]), (name, m["step"])
-            assert math.isfinite(m["rollout/reward_mean"])
     base = lines["padded"][1]
     for name in ("budget", "cp2"):
         m = lines[name][1]
