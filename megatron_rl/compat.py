@@ -439,23 +439,32 @@ def _vectorised_thd_rope() -> None:
     if getattr(rope_utils._apply_rotary_pos_emb_thd, "_megatron_rl_compat", False):
         return
     bshd = rope_utils._apply_rotary_pos_emb_bshd
+    last: List[Any] = [None, None, None]  # (cu_seqlens object, key, positions): q and k of every layer share it
+
+    def positions(cu_seqlens, n: int, size: int, rank: int, stream_freqs: bool, device) -> torch.Tensor:
+        key = (n, size, rank, stream_freqs, device)
+        if last[0] is cu_seqlens and last[1] == key:
+            return last[2]
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        full = cu[1:] - cu[:-1]
+        local = full // size  # each sequence's rows on this CP rank, back to back
+        seq = torch.repeat_interleave(torch.arange(len(local), device=device), local, output_size=n)
+        index = torch.arange(n, device=device) - (torch.cumsum(local, 0) - local)[seq]
+        pos = index
+        if size > 1:  # zigzag: chunks rank and 2*size-1-rank of the sequence (Megatron's CP layout)
+            half = (local // 2)[seq]
+            pos = torch.where(index < half, rank * half + index, full[seq] - (rank + 1) * half + index - half)
+        if stream_freqs:  # freqs for every stream position: offset by the sequence start
+            pos = pos + cu[:-1][seq]
+        last[:] = [cu_seqlens, key, pos]
+        return pos
 
     def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
                                   mscale=1.0, cp_group=None):
         if cp_group is None:
             raise ValueError("cp_group must be provided for THD format RoPE")
-        size, rank = cp_group.size(), cp_group.rank()
-        cu = cu_seqlens.to(device=t.device, dtype=torch.long)
-        full = cu[1:] - cu[:-1]
-        local = full // size  # each sequence's rows on this CP rank, back to back in t
-        seq = torch.repeat_interleave(torch.arange(len(local), device=t.device), local, output_size=t.shape[0])
-        index = torch.arange(t.shape[0], device=t.device) - (torch.cumsum(local, 0) - local)[seq]
-        pos = index
-        if size > 1:  # zigzag: chunks rank and 2*size-1-rank of the sequence (Megatron's CP layout)
-            half = (local // 2)[seq]
-            pos = torch.where(index < half, rank * half + index, full[seq] - (rank + 1) * half + index - half)
-        if freqs.size(0) == int(cu[-1]):  # freqs for every stream position: offset by the sequence start
-            pos = pos + cu[:-1][seq]
+        stream_freqs = freqs.size(0) == int(cu_seqlens[-1])
+        pos = positions(cu_seqlens, t.shape[0], cp_group.size(), cp_group.rank(), stream_freqs, t.device)
         return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
                     multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 

@@ -25,7 +25,9 @@ at CP=2 (2 processes x 1 thread, each holding half of every sequence). Tokens/s 
 peak memory is the largest resident set of a rank's process (CPU; on CUDA, max allocated).
 
 Suite ``tiny`` — the tiny recipe's model and batch shape (512 sequences of 5-10 tokens, TP=2): padded
-(its old setting) vs packed vs packed under a token budget, which decides examples/tiny_cpu.yaml.
+(its old setting) vs packed vs packed under a token budget, which decides examples/tiny_cpu.yaml. The
+three trainers share 2 processes and take turns step by step (load drift hits them alike); peak memory
+is the processes' (all three trainers).
 
   python tools/bench_train.py                  # both suites, vocab 8192, median of 3 steps after a warm-up
   python tools/bench_train.py --suite packing --steps 2
@@ -170,7 +172,7 @@ def _tiny_batch(vocab: int, n: int = 512):
 
 
 def _packing_case(path: str, layout: dict, vocab: int, steps: int, train: dict, impl: str = "per_sequence",
-                  giant: int = 0, tiny: bool = False):
+                  giant: int = 0):
     import torch.distributed as dist
 
     from megatron_rl import parallel
@@ -181,7 +183,7 @@ def _packing_case(path: str, layout: dict, vocab: int, steps: int, train: dict, 
     attention.PACKED_IMPL = impl
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(**layout))
     trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(**train), groups, OptimConfig(lr=1e-5))
-    batch = _tiny_batch(vocab) if tiny else _longtail_batch(vocab, giant=giant)
+    batch = _longtail_batch(vocab, giant=giant)
     try:
         last = {}
         train_s = _timed(lambda: last.update(r=trainer.train_step(batch)), steps)
@@ -234,13 +236,40 @@ TINY_CASES = [  # the tiny recipe at TP=2: micro_batch_size 64 of its 512 sequen
 ]
 
 
+def _tiny_interleaved(path: str, steps: int) -> list:
+    """Every case's trainer in the same processes, their steps interleaved (case 1, 2, 3, 1, 2, 3, ...):
+    on a shared machine, load drifts between sequential runs; interleaving exposes all cases to it alike."""
+    from megatron_rl import parallel
+    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
+
+    groups = parallel.init_megatron_parallel(parallel.ParallelLayout(tp=2))
+    batch = _tiny_batch(64)
+    trainers = [PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(**train), groups, OptimConfig(lr=1e-5))
+                for _, train in TINY_CASES]
+    times = {(k, what): [] for k in range(len(trainers)) for what in ("train", "fwd")}
+    last = {}
+    for i in range(steps + 1):  # the first round warms up
+        for k, tr in enumerate(trainers):
+            for what, fn in (("train", tr.train_step), ("fwd", tr.forward)):
+                t = time.perf_counter()
+                result = fn(batch)
+                if i:
+                    times[(k, what)].append(time.perf_counter() - t)
+                if what == "train":
+                    last[k] = result.metrics
+    peak = _peak_mib()
+    return [{"train_s": statistics.median(times[(k, "train")]), "fwd_s": statistics.median(times[(k, "fwd")]),
+             "real_tokens": int(batch.seq_lengths.sum()), "peak_mib": peak,
+             "padding_frac": last[k]["batch/padding_frac"], "micro_batches": last[k]["batch/micro_batches"]}
+            for k in range(len(trainers))]
+
+
 def _tiny_suite(path: str, steps: int) -> list:
-    rows = []
-    for name, train in TINY_CASES:
-        r = run_distributed(_packing_case, 2, path, dict(tp=2), 64, steps, train, "per_sequence", 0, True,
-                            threads_per_rank=1, timeout_s=3600)[0]
-        rows.append({"name": f"{name}, TP=2", "procs": "2 procs x 1 thread", **r})
-        print(f"  {name}: {r}", file=sys.stderr, flush=True)
+    results = run_distributed(_tiny_interleaved, 2, path, steps, threads_per_rank=1, timeout_s=3600)[0]
+    rows = [{"name": f"{name}, TP=2", "procs": "2 procs x 1 thread", **r} for (name, _), r in zip(TINY_CASES, results)]
+    for r in rows:
+        print(f"  {r}", file=sys.stderr, flush=True)
     return rows
 
 
