@@ -280,7 +280,7 @@ def _print_packing(rows: list, title: str) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['name']} | {r['procs']} | — | — | error: {r['error'][:90]}… | — | — | — |")
+            print(f"| {r['name']} | {r['procs']} | — | — | error: {r['error'].split(';')[0]} | — | — | — |")
             continue
         print(f"| {r['name']} | {r['procs']} | {r['micro_batches']:.0f} | {r['padding_frac']:.0%} | {r['train_s']:.2f} "
               f"| {r['real_tokens'] / r['train_s']:.0f} | {r['real_tokens'] / r['fwd_s']:.0f} | {r['peak_mib']:.0f} |")

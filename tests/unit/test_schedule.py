@@ -113,3 +113,23 @@ def test_work_model_from_arch_counts_attention_quadratically():
     assert w.a == 2 * (2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 96) + 64 * 1000)
     assert w.b == 2 * 2 * 64
     assert w([10])[0] == pytest.approx(10 * w.a + 100 * w.b)
+
+
+def test_driver_split_and_reassembly_keep_batch_order():
+    """The driver's work-balanced DP split (not contiguous) and its reassembly of per-rank forward results:
+    every row of the result belongs to the same batch row (old log-probs must never shift between samples)."""
+    from megatron_rl.orchestration.trainer_group import _concat_forward
+    from megatron_rl.training import ForwardResult, TrainBatch
+
+    lengths = [30, 2, 3, 25, 4, 28, 1, 5]
+    batch = TrainBatch.from_sequences([[7]] * 8, [list(range(n)) for n in lengths])
+    rows = rank_rows(batch.seq_lengths, 2, WORK)
+    assert torch.cat(rows).tolist() != list(range(8))  # balanced: not the contiguous split
+    parts = []
+    for r in rows:  # each rank answers for its shard: a value that names the batch row
+        shard = batch.select(r)
+        tag = shard.response_lengths.float()[:, None].expand_as(shard.response_mask).clone()
+        parts.append(ForwardResult(logprobs=tag, entropy=tag, sum_pi_squared=tag, response_mask=shard.response_mask))
+    merged = _concat_forward(parts, torch.argsort(torch.cat(rows)))
+    assert torch.equal(merged.logprobs[:, 0], batch.response_lengths.float())
+    assert torch.equal(merged.response_mask, batch.response_mask)
