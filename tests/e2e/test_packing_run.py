@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def test_packed_budget_and_context_parallel_runs_match_the_padded_run(tmp_path):
     assets = quick_assets(tmp_path / "assets")
     runs = {
-        "padded": ["train.packing=false"],
+        "padded": ["train.packing=false", "train.max_tokens_per_micro_batch=0",
+                   "train.forward_max_tokens_per_micro_batch=0"],
         "budget": ["train.max_tokens_per_micro_batch=256", "train.forward_max_tokens_per_micro_batch=512"],
         "cp2": ["parallel.cp=2", "parallel.tp=1", "rollout.weight_sync.check=false",
                 "train.max_tokens_per_micro_batch=128"],

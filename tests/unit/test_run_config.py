@@ -33,7 +33,8 @@ def test_tiny_recipe_resolves(assets, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needles", [
-    (["rollout.prompts_per_step=3", "train.micro_batch_size=16"],
+    (["rollout.prompts_per_step=3", "train.micro_batch_size=16", "train.max_tokens_per_micro_batch=0",
+      "train.forward_max_tokens_per_micro_batch=0"],
      ["rollout.prompts_per_step * rollout.n_samples_per_prompt = 3 * 8 = 24", "train.micro_batch_size = 1 * 16 = 16",
       "make prompts_per_step a multiple of 2"]),
     (["parallel.world_size=3"], ["parallel.world_size=3 is not divisible by parallel.tp * parallel.pp * parallel.cp "
