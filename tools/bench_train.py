@@ -19,17 +19,19 @@ of the responses ~0.25, as RL produces), at TP=1 (1 process x 2 threads) and TP=
   padded, sorted the same, sorted by length first (train.group_by_length, the padded default)
   packed         4 sequences per micro-batch in one [1, T] stream (train.packing)
   packed+budget  packed under train.max_tokens_per_micro_batch=2048 (forward: 4096), work balanced
-plus the portable attention's two packed implementations (per-sequence SDPA vs one block-diagonal mask)
-and a batch whose longest sequence (1000 tokens) exceeds a 512-token budget: an error at CP=1, trained
-at CP=2 (2 processes x 1 thread, each holding half of every sequence). Tokens/s count real tokens only;
-peak memory is the largest resident set of a rank's process (CPU; on CUDA, max allocated).
+plus the portable attention's other packed implementation (one block-diagonal mask over the stream) and a
+batch whose longest sequence (1000 tokens) exceeds a 512-token budget: an error at CP=1, trained at CP=2
+(2 processes x 1 thread, each holding half of every sequence).
 
 Suite ``tiny`` — the tiny recipe's model and batch shape (512 sequences of 5-10 tokens, TP=2): padded
-(its old setting) vs packed vs packed under a token budget, which decides examples/tiny_cpu.yaml. The
-three trainers share 2 processes and take turns step by step (load drift hits them alike); peak memory
-is the processes' (all three trainers).
+(its old setting) vs packed vs packed under a token budget, which decides examples/tiny_cpu.yaml.
 
-  python tools/bench_train.py                  # both suites, vocab 8192, median of 3 steps after a warm-up
+The cases of one layout share their processes and take turns step by step (on a shared machine the load
+drifts between sequential runs; in turns it hits every case alike). Tokens/s count real tokens only. Peak
+memory: the processes' resident-set high-water mark during the case's train step (reset before it; CUDA:
+peak allocation), max over ranks; it includes the other cases' idle models.
+
+  python tools/bench_train.py                  # every suite, vocab 8192, median of 3 steps after a warm-up
   python tools/bench_train.py --suite packing --steps 2
 Writes markdown tables to stdout and JSON to --out (default bench_results/bench_train.json).
 """
@@ -151,14 +153,6 @@ def _longtail_batch(vocab: int, n: int = 32, prompt: int = 32, longest: int = 48
     return batch.replace(rollout_logprobs=lp, old_logprobs=lp + 0.01)
 
 
-def _peak_mib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def _tiny_batch(vocab: int, n: int = 512):
     """The tiny recipe's shape: 512 sequences of a 4-6 token prompt and a 1-4 token response."""
     from megatron_rl.training import TrainBatch
@@ -171,8 +165,26 @@ def _tiny_batch(vocab: int, n: int = 512):
     return batch.replace(rollout_logprobs=lp, old_logprobs=lp + 0.01)
 
 
-def _packing_case(path: str, layout: dict, vocab: int, steps: int, train: dict, impl: str = "per_sequence",
-                  giant: int = 0):
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    else:  # Linux: reset the process's resident-set high-water mark (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def _peak_mib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024  # kB
+
+
+def _interleaved(path: str, layout: dict, steps: int, cases: list, batch_kind: str, batch_kwargs: dict) -> list:
+    """Each case's trainer built in the same processes, their steps taken in turns (1, 2, 3, 1, 2, 3, ...):
+    on a shared machine the load drifts between sequential runs, in turns it hits every case alike. Peak
+    memory: the processes' peak resident set (CUDA: peak allocation) during that case's train step, max
+    over ranks (it includes the other cases' idle models and optimizer state)."""
     import torch.distributed as dist
 
     from megatron_rl import parallel
@@ -180,97 +192,90 @@ def _packing_case(path: str, layout: dict, vocab: int, steps: int, train: dict, 
     from megatron_rl.models.config import ModelConfig
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
 
-    attention.PACKED_IMPL = impl
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(**layout))
-    trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(**train), groups, OptimConfig(lr=1e-5))
-    batch = _longtail_batch(vocab, giant=giant)
-    try:
-        last = {}
-        train_s = _timed(lambda: last.update(r=trainer.train_step(batch)), steps)
-    except ValueError as e:
-        return {"error": str(e)}
-    fwd_s = _timed(lambda: trainer.forward(batch), steps)
-    peak = torch.tensor([_peak_mib()])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    m = last["r"].metrics
-    return {"train_s": train_s, "fwd_s": fwd_s, "real_tokens": int(batch.seq_lengths.sum()), "peak_mib": float(peak),
-            "padding_frac": m["batch/padding_frac"], "micro_batches": m["batch/micro_batches"],
-            "longest": int(batch.seq_lengths.max()), "mean_over_max_response": float(
-                batch.response_lengths.float().mean() / batch.response_lengths.max())}
+    batch = {"longtail": _longtail_batch, "tiny": _tiny_batch}[batch_kind](**batch_kwargs)
+    trainers = [PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(**train), groups, OptimConfig(lr=1e-5))
+                for _, train, _ in cases]
+    out = [{"train": [], "fwd": [], "peak": 0.0} for _ in cases]
+    for i in range(steps + 1):  # round 0 warms up
+        for (_, _, impl), trainer, rec in zip(cases, trainers, out):
+            if "error" in rec:
+                continue
+            attention.PACKED_IMPL = impl
+            _reset_peak()
+            t = time.perf_counter()
+            try:
+                result = trainer.train_step(batch)
+            except ValueError as e:
+                rec["error"] = str(e)
+                continue
+            elapsed = time.perf_counter() - t
+            rec["peak"] = max(rec["peak"], _peak_mib())
+            t = time.perf_counter()
+            trainer.forward(batch)
+            if i:
+                rec["train"].append(elapsed)
+                rec["fwd"].append(time.perf_counter() - t)
+            rec["metrics"] = result.metrics
+    attention.PACKED_IMPL = "per_sequence"
+    peaks = torch.tensor([rec["peak"] for rec in out], dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    info = {"real_tokens": int(batch.seq_lengths.sum()), "longest": int(batch.seq_lengths.max()),
+            "mean_over_max_response": float(batch.response_lengths.float().mean() / batch.response_lengths.max())}
+    rows = []
+    for rec, peak in zip(out, peaks.tolist()):
+        if "error" in rec:
+            rows.append({"error": rec["error"]})
+            continue
+        m = rec["metrics"]
+        rows.append({"train_s": statistics.median(rec["train"]), "fwd_s": statistics.median(rec["fwd"]),
+                     "peak_mib": peak, "padding_frac": m["batch/padding_frac"],
+                     "micro_batches": m["batch/micro_batches"], **info})
+    return rows
 
 
-PACKING_CASES = [  # name, train config
-    ("padded", dict(packing=False, micro_batch_size=4, group_by_length=False)),
-    ("padded, sorted", dict(packing=False, micro_batch_size=4)),
-    ("packed", dict(micro_batch_size=4)),
-    ("packed+budget", dict(max_tokens_per_micro_batch=2048, forward_max_tokens_per_micro_batch=4096)),
+PACKING_CASES = [  # name, train config, packed attention implementation
+    ("padded", dict(packing=False, micro_batch_size=4, group_by_length=False), "per_sequence"),
+    ("padded, sorted", dict(packing=False, micro_batch_size=4), "per_sequence"),
+    ("packed", dict(micro_batch_size=4), "per_sequence"),
+    ("packed+budget", dict(max_tokens_per_micro_batch=2048, forward_max_tokens_per_micro_batch=4096), "per_sequence"),
 ]
+BLOCK_DIAGONAL = ("packed+budget, block-diagonal attention", PACKING_CASES[-1][1], "block_diagonal")
+BUDGET_512 = ("longest 1000 > budget 512",
+              dict(max_tokens_per_micro_batch=512, forward_max_tokens_per_micro_batch=512), "per_sequence")
+
+
+def _suite(path: str, steps: int, runs: list) -> list:
+    rows = []
+    for layout, cases, batch_kind, batch_kwargs in runs:
+        n = layout.get("tp", 1) * layout.get("cp", 1)
+        procs = "1 proc x 2 threads" if n == 1 else f"{n} procs x 1 thread"
+        tag = ", ".join(f"{k.upper()}={v}" for k, v in layout.items()) or "TP=1"
+        results = run_distributed(_interleaved, n, path, layout, steps, cases, batch_kind, batch_kwargs,
+                                  threads_per_rank=2 // n, timeout_s=3600)[0]
+        for (name, _, _), r in zip(cases, results):
+            rows.append({"name": f"{name}, {tag}", "procs": procs, **r})
+            print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
 
 
 def _packing_suite(path: str, vocab: int, steps: int) -> list:
-    rows = []
-
-    def run(name, procs, layout, train, impl="per_sequence", giant=0):
-        n = layout.get("tp", 1) * layout.get("cp", 1)
-        r = run_distributed(_packing_case, n, path, layout, vocab, steps, train, impl, giant, threads_per_rank=2 // n,
-                            timeout_s=3600)[0]
-        rows.append({"name": name, "procs": procs, **r})
-        print(f"  {name} ({procs}): {r}", file=sys.stderr, flush=True)
-
-    for tp in (1, 2):
-        procs = "1 proc x 2 threads" if tp == 1 else "2 procs x 1 thread"
-        for name, train in PACKING_CASES:
-            run(f"{name}, TP={tp}", procs, dict(tp=tp), train)
-    run("packed+budget, TP=1, block-diagonal attention", "1 proc x 2 threads", {}, PACKING_CASES[-1][1],
-        impl="block_diagonal")
-    budget = dict(max_tokens_per_micro_batch=512, forward_max_tokens_per_micro_batch=512)
-    run("longest 1000 > budget 512, CP=1", "1 proc x 2 threads", {}, budget, giant=1000)
-    run("longest 1000 > budget 512, CP=2", "2 procs x 1 thread", dict(cp=2), budget, giant=1000)
-    return rows
+    long, giant = {"vocab": vocab}, {"vocab": vocab, "giant": 1000}
+    return _suite(path, steps, [({}, PACKING_CASES + [BLOCK_DIAGONAL], "longtail", long),
+                                ({"tp": 2}, PACKING_CASES, "longtail", long),
+                                ({}, [BUDGET_512], "longtail", giant),
+                                ({"cp": 2}, [BUDGET_512], "longtail", giant)])
 
 
 TINY_CASES = [  # the tiny recipe at TP=2: micro_batch_size 64 of its 512 sequences per step
-    ("padded, sorted", dict(packing=False, micro_batch_size=64)),
-    ("packed", dict(micro_batch_size=64)),
-    ("packed+budget", dict(max_tokens_per_micro_batch=1024, forward_max_tokens_per_micro_batch=2048)),
+    ("padded, sorted", dict(packing=False, micro_batch_size=64), "per_sequence"),
+    ("packed", dict(micro_batch_size=64), "per_sequence"),
+    ("packed+budget", dict(max_tokens_per_micro_batch=1024, forward_max_tokens_per_micro_batch=4096), "per_sequence"),
 ]
 
 
-def _tiny_interleaved(path: str, steps: int) -> list:
-    """Every case's trainer in the same processes, their steps interleaved (case 1, 2, 3, 1, 2, 3, ...):
-    on a shared machine, load drifts between sequential runs; interleaving exposes all cases to it alike."""
-    from megatron_rl import parallel
-    from megatron_rl.models.config import ModelConfig
-    from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
-
-    groups = parallel.init_megatron_parallel(parallel.ParallelLayout(tp=2))
-    batch = _tiny_batch(64)
-    trainers = [PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(**train), groups, OptimConfig(lr=1e-5))
-                for _, train in TINY_CASES]
-    times = {(k, what): [] for k in range(len(trainers)) for what in ("train", "fwd")}
-    last = {}
-    for i in range(steps + 1):  # the first round warms up
-        for k, tr in enumerate(trainers):
-            for what, fn in (("train", tr.train_step), ("fwd", tr.forward)):
-                t = time.perf_counter()
-                result = fn(batch)
-                if i:
-                    times[(k, what)].append(time.perf_counter() - t)
-                if what == "train":
-                    last[k] = result.metrics
-    peak = _peak_mib()
-    return [{"train_s": statistics.median(times[(k, "train")]), "fwd_s": statistics.median(times[(k, "fwd")]),
-             "real_tokens": int(batch.seq_lengths.sum()), "peak_mib": peak,
-             "padding_frac": last[k]["batch/padding_frac"], "micro_batches": last[k]["batch/micro_batches"]}
-            for k in range(len(trainers))]
-
-
 def _tiny_suite(path: str, steps: int) -> list:
-    results = run_distributed(_tiny_interleaved, 2, path, steps, threads_per_rank=1, timeout_s=3600)[0]
-    rows = [{"name": f"{name}, TP=2", "procs": "2 procs x 1 thread", **r} for (name, _), r in zip(TINY_CASES, results)]
-    for r in rows:
-        print(f"  {r}", file=sys.stderr, flush=True)
-    return rows
+    return _suite(path, steps, [({"tp": 2}, TINY_CASES, "tiny", {"vocab": 64})])
 
 
 def _print_packing(rows: list, title: str) -> None:
