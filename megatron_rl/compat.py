@@ -20,7 +20,8 @@ Verified on CPU with these patches (tests/distributed): GPTModel forward/backwar
 tied embeddings), EP with the alltoall and allgather dispatchers, expert-TP; Megatron DDP,
 ``finalize_model_grads``, the Megatron and the distributed optimizer with grad clipping;
 dist-checkpointing save/load (checked by hand: its writer needs non-daemonic ranks). Not covered:
-``num_distributed_optimizer_instances > 1`` (CUDA streams), CUDA graphs, context parallelism.
+``num_distributed_optimizer_instances > 1`` (CUDA streams), CUDA graphs. Context parallelism runs with
+the portable core attention (:mod:`megatron_rl.models.attention`) and the RoPE patch below.
 """
 
 from __future__ import annotations
@@ -399,3 +400,73 @@ def _fully_reshardable_load_keeps_step() -> None:
 
     _set_main_param_and_optimizer_states._megatron_rl_compat = True
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+@_patch(
+    reason="context parallelism slices the RoPE table with an index tensor built with pin_memory=True and "
+    ".cuda() (get_pos_emb_on_this_cp_rank)",
+    remove_when="rope_utils.get_pos_emb_on_this_cp_rank builds its index on the table's device",
+)
+def _rope_cp_slice_on_cpu() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    if getattr(rope_utils.get_pos_emb_on_this_cp_rank, "_megatron_rl_compat", False):
+        return
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    get_pos_emb_on_this_cp_rank._megatron_rl_compat = True
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+@_patch(
+    reason="the unfused RoPE of packed (THD) sequences loops over the sequences in Python (a .item() and "
+    "two slices per sequence, per layer, for q and k): the overhead outweighs packing's saving on short "
+    "sequences; this computes the same frequency gather in a few vectorised ops (bitwise the same values)",
+    remove_when="rope_utils._apply_rotary_pos_emb_thd is vectorised (or RoPE fusion runs on CPU)",
+)
+def _vectorised_thd_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(rope_utils._apply_rotary_pos_emb_thd, "_megatron_rl_compat", False):
+        return
+    bshd = rope_utils._apply_rotary_pos_emb_bshd
+    last: List[Any] = [None, None, None]  # (cu_seqlens object, key, positions): q and k of every layer share it
+
+    def positions(cu_seqlens, n: int, size: int, rank: int, stream_freqs: bool, device) -> torch.Tensor:
+        key = (n, size, rank, stream_freqs, device)
+        if last[0] is cu_seqlens and last[1] == key:
+            return last[2]
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        full = cu[1:] - cu[:-1]
+        local = full // size  # each sequence's rows on this CP rank, back to back
+        seq = torch.repeat_interleave(torch.arange(len(local), device=device), local, output_size=n)
+        index = torch.arange(n, device=device) - (torch.cumsum(local, 0) - local)[seq]
+        pos = index
+        if size > 1:  # zigzag: chunks rank and 2*size-1-rank of the sequence (Megatron's CP layout)
+            half = (local // 2)[seq]
+            pos = torch.where(index < half, rank * half + index, full[seq] - (rank + 1) * half + index - half)
+        if stream_freqs:  # freqs for every stream position: offset by the sequence start
+            pos = pos + cu[:-1][seq]
+        last[:] = [cu_seqlens, key, pos]
+        return pos
+
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
+                                  mscale=1.0, cp_group=None):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided for THD format RoPE")
+        stream_freqs = freqs.size(0) == int(cu_seqlens[-1])
+        pos = positions(cu_seqlens, t.shape[0], cp_group.size(), cp_group.rank(), stream_freqs, t.device)
+        return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
+                    multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    _apply_rotary_pos_emb_thd._megatron_rl_compat = True
+    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd

@@ -44,19 +44,25 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallelism (None: same as tp)
+    cp: int = 1  # context parallelism: every sequence split over cp ranks (zigzag), for long contexts
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "ep"):
+        for name in ("world_size", "tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, etp=self.etp)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks of one data-parallel replica: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // self.model_parallel
 
 
 @dataclass(frozen=True)

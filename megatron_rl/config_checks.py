@@ -14,6 +14,8 @@ import os
 import warnings
 from typing import List, Optional
 
+import torch
+
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import ConfigError
 
@@ -45,29 +47,38 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
 
 def _parallel(cfg: RunConfig, out: List[str]) -> None:
     p = cfg.parallel
-    model = p.tp * p.pp
+    model = p.model_parallel
     if p.world_size % model:
-        out.append(f"parallel.world_size={p.world_size} is not divisible by parallel.tp * parallel.pp = {p.tp} * "
-                   f"{p.pp} = {model}; make world_size a multiple of {model} or change tp/pp")
+        out.append(f"parallel.world_size={p.world_size} is not divisible by parallel.tp * parallel.pp * parallel.cp = "
+                   f"{p.tp} * {p.pp} * {p.cp} = {model}; make world_size a multiple of {model} or change tp/pp/cp")
         return
     try:
         p.layout.check(p.world_size)
     except ValueError as e:
-        out.append(f"parallel (world_size={p.world_size}, tp={p.tp}, pp={p.pp}, ep={p.ep}, etp={p.etp}): {e}")
+        out.append(f"parallel (world_size={p.world_size}, tp={p.tp}, pp={p.pp}, cp={p.cp}, ep={p.ep}, etp={p.etp}): "
+                   f"{e}")
+
+
+def batch_unit(cfg: RunConfig) -> int:
+    """Sequences a step's batch must be a multiple of: every DP rank gets as many sequences, and (without a
+    token budget) a whole number of micro-batches."""
+    t = cfg.train
+    return cfg.parallel.dp * (1 if t.token_budget else t.micro_batch_size)
 
 
 def _batch(cfg: RunConfig, out: List[str]) -> None:
-    p, r, mbs = cfg.parallel, cfg.rollout, cfg.train.micro_batch_size
-    if p.world_size % (p.tp * p.pp):
+    p, r, t = cfg.parallel, cfg.rollout, cfg.train
+    if p.world_size % p.model_parallel:
         return  # reported by _parallel
-    unit = p.dp * mbs  # sequences a step must be a multiple of
+    unit = batch_unit(cfg)  # sequences a step must be a multiple of
     batch = r.prompts_per_step * r.n_samples_per_prompt
     if batch % unit:
         step = unit // math.gcd(unit, r.n_samples_per_prompt)
+        what = ("data-parallel size" if t.token_budget else
+                f"data-parallel size * train.micro_batch_size = {p.dp} * {t.micro_batch_size}")
         out.append(f"the train batch rollout.prompts_per_step * rollout.n_samples_per_prompt = {r.prompts_per_step} * "
-                   f"{r.n_samples_per_prompt} = {batch} sequences is not divisible by data-parallel size * "
-                   f"train.micro_batch_size = {p.dp} * {mbs} = {unit}; make prompts_per_step a multiple of {step}, "
-                   f"or change train.micro_batch_size / parallel sizes")
+                   f"{r.n_samples_per_prompt} = {batch} sequences is not divisible by {what} = {unit}; make "
+                   f"prompts_per_step a multiple of {step}, or change train.micro_batch_size / parallel sizes")
     if cfg.advantage.estimator in _GROUPED and r.n_samples_per_prompt < 2:
         out.append(f"advantage.estimator={cfg.advantage.estimator!r} compares the samples of a prompt group but "
                    f"rollout.n_samples_per_prompt={r.n_samples_per_prompt}; use >= 2 samples (e.g. 8) or estimator "
@@ -75,6 +86,29 @@ def _batch(cfg: RunConfig, out: List[str]) -> None:
     if r.dynamic_sampling and r.n_samples_per_prompt < 2:
         out.append("rollout.dynamic_sampling=true drops groups whose rewards are all equal, which every group of "
                    f"rollout.n_samples_per_prompt={r.n_samples_per_prompt} is; use >= 2 samples per prompt")
+    _token_budget(cfg, out)
+
+
+def _token_budget(cfg: RunConfig, out: List[str]) -> None:
+    """The longest sequence a run can produce must fit a micro-batch's token budget (per CP rank, after the
+    padding CP and sequence parallelism need); the weight-sync probe does not run under CP."""
+    from megatron_rl.training.micro_batch import packed_lengths, stream_multiple
+
+    p, t = cfg.parallel, cfg.train
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    sp = p.tp > 1 if cfg.model.sequence_parallel is None else cfg.model.sequence_parallel
+    multiple = stream_multiple(math.lcm(t.pad_to_multiple, (p.tp if sp else 1) * p.cp), p.cp)
+    stream = -(-int(packed_lengths(torch.tensor([longest]), p.cp)[0]) // multiple) * multiple
+    for name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
+        cap = getattr(t, name)
+        if cap and stream > cap * p.cp:
+            out.append(f"a sequence can reach data.max_prompt_tokens + rollout.sampling.max_new_tokens = {longest} "
+                       f"tokens ({stream} once padded for parallel.cp={p.cp} / tp), more than train.{name}={cap} x "
+                       f"parallel.cp={p.cp} = {cap * p.cp}; raise train.{name} to >= {-(-stream // p.cp)} or "
+                       "parallel.cp (the budget is per CP rank)")
+    if p.cp > 1 and cfg.rollout.weight_sync.check:
+        out.append(f"parallel.cp={p.cp}: the post-sync probe (rollout.weight_sync.check=true) scores one sequence "
+                   "without splitting it over CP ranks; set rollout.weight_sync.check=false with parallel.cp > 1")
 
 
 PROCESSED_MAX_SUPPORT = 4096  # SGLang 0.5.23's default --sampling-mask-max-tokens

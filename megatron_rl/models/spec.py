@@ -3,9 +3,9 @@
 The portable ("local") spec uses Megatron's own tensor-parallel linears, attention block, MLP and
 MoE layer, and swaps in two small modules of ours:
 
-* :class:`SDPACoreAttention` — ``torch.nn.functional.scaled_dot_product_attention`` with GQA and a
-  causal mask. Megatron's stock ``DotProductAttention`` builds its causal mask with CUDA tensors, and
-  SDPA is both faster on CPU and closer to HF's numerics.
+* :class:`~megatron_rl.models.attention.SDPACoreAttention` — ``torch.nn.functional.scaled_dot_product_attention``
+  with GQA, packed sequences and context parallelism. Megatron's stock ``DotProductAttention`` builds its
+  causal mask with CUDA tensors, and SDPA is both faster on CPU and closer to HF's numerics.
 * :class:`RMSNorm` — computes in float32 like HF's ``*RMSNorm`` and, unlike Megatron's
   ``WrappedTorchNorm``, supports sequence parallelism (its weight carries the ``sequence_parallel``
   attribute so ``finalize_model_grads`` all-reduces its gradient over TP).
@@ -14,13 +14,11 @@ MoE layer, and swaps in two small modules of ours:
 from __future__ import annotations
 
 import importlib.util
-import math
-from typing import List, Optional
+from typing import List
 
 import torch
-import torch.nn.functional as F
-from megatron.core.transformer.module import MegatronModule
 
+from megatron_rl.models.attention import SDPACoreAttention
 from megatron_rl.models.config import ModelConfig
 
 
@@ -38,76 +36,6 @@ class RMSNorm(torch.nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-class SDPACoreAttention(MegatronModule):
-    """Core attention over ``[s, b, heads, head_dim]`` tensors with torch SDPA.
-
-    Inputs: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` (``ng`` query groups on this TP
-    rank, GQA when ``ng < np``). ``attention_mask`` follows Megatron: boolean, ``True`` = masked out,
-    broadcastable to ``[b, np, sq, sk]``; when it is None and the layer is causal, a causal mask is
-    applied. Output ``[sq, b, np * hn]``.
-    """
-
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-    ) -> None:
-        super().__init__(config=config)
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPACoreAttention does not support context parallelism; use the TE spec")
-        if config.softmax_type != "vanilla" or config.window_size is not None:
-            raise ValueError("SDPACoreAttention supports vanilla softmax without sliding window only")
-        self.causal = attn_mask_type == AttnMaskType.causal
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias need the TE spec")
-        sq, b, np_, hn = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        mask, causal = None, False
-        if attention_mask is not None:
-            mask = ~attention_mask  # SDPA: True = attend
-        elif self.causal:
-            if key.shape[0] != sq:
-                raise NotImplementedError("causal SDPA without a mask needs equal query/key lengths")
-            causal = True
-        dropout = self.dropout if self.training else 0.0
-        out = _sdpa(q, k, v, mask, causal, dropout, self.scale, self.config.sequence_parallel)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
-
-
-def _sdpa(q, k, v, mask, causal, dropout, scale, sequence_parallel):
-    gqa = q.shape[1] != k.shape[1]
-    if dropout > 0.0 and not sequence_parallel:
-        # Heads differ across TP ranks: draw dropout from the TP-rank-specific RNG stream (as Megatron).
-        from megatron.core import tensor_parallel
-
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            return F.scaled_dot_product_attention(
-                q, k, v, mask, dropout, is_causal=causal, scale=scale, enable_gqa=gqa
-            )
-    return F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def resolve_layer_spec(choice: str) -> str:

@@ -179,13 +179,13 @@ def objective_metrics(sel, term, is_scale: Tensor, parts: Dict[str, Tensor], cfg
         mb.seq_mean("trm/seq_div_sum", t.sum_div, seq_nonempty)
         # T of the bounds: the longest response span in columns (>= its generated tokens; every bound is
         # monotone in T, so they stay upper bounds with tool segments inside a response)
-        span = cp_positions(valid.shape[-1], groups.cp, valid.device)[None, :].expand_as(valid) + 1
+        span = cp_positions(valid.shape[-1], groups.cp_columns, valid.device)[None, :].expand_as(valid) + 1
         mb.max("trm/_span", span, valid)
         if cfg.trm.log_bounds and t.exact:
             # per-token TV: exact when given, else Pinsker's bound on the exact KL (keeps the bound valid)
             tv = x.rollout_tv if x.rollout_tv is not None else torch.sqrt(x.rollout_kl.clamp(min=0) / 2).clamp(max=1)
             mb.max("trm/_max_tv", tv, valid)
-            extra["mean_tv_per_position"] = position_mean(tv, valid, groups.cp, groups.dp)
+            extra["mean_tv_per_position"] = position_mean(tv, valid, groups.cp, groups.dp, groups.cp_zigzag)
 
     if x.kept_mass is not None:
         mb.token_mean("dvp/kept_mass", x.kept_mass, valid)

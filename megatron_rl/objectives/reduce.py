@@ -8,7 +8,9 @@ Conventions
 -----------
 * Tensors are padded ``[B, T_local]``: on a context-parallel (CP) rank, row ``b`` holds *that rank's*
   positions of sequence ``b`` (Megatron's zigzag chunks); every CP rank holds the same ``B`` sequences.
-  Without CP, ``T_local = T``.
+  Without CP, ``T_local = T``. Sums, means and maxima only need each rank's tokens to be disjoint, so
+  they also serve the trainer's layout (``ReduceGroups.cp_zigzag=False``): every CP rank holds all
+  ``T`` response columns and its own tokens are the ones its mask selects.
 * Reductions here are over **detached** statistics. The differentiable part of every loss is
   token-local, so no collective ever needs a backward; that is what makes per-rank loss contributions
   simply add up across CP ranks and micro-batches.
@@ -33,10 +35,18 @@ ProcessGroup = Optional[dist.ProcessGroup]
 class ReduceGroups:
     """The groups a loss reduces over. ``cp``: ranks holding other positions of the *same*
     sequences. ``dp``: ranks holding *other* sequences of the same optimisation step (Megatron's data
-    parallel group without CP)."""
+    parallel group without CP). ``cp_zigzag``: the columns of a ``[B, T_local]`` tensor are this rank's
+    zigzag chunks (True) or every position, this rank's tokens selected by the mask (False); only
+    position-indexed statistics (:func:`cp_positions`, :func:`position_mean`) read it."""
 
     cp: ProcessGroup = None
     dp: ProcessGroup = None
+    cp_zigzag: bool = True
+
+    @property
+    def cp_columns(self) -> ProcessGroup:
+        """The CP group to pass to position-indexed helpers: None when columns are positions already."""
+        return self.cp if self.cp_zigzag else None
 
 
 def stat_dtype(x: torch.Tensor) -> torch.dtype:
@@ -177,16 +187,17 @@ def cp_positions(t_local: int, cp_group: ProcessGroup = None, device=None) -> to
 
 @torch.no_grad()
 def position_mean(x: torch.Tensor, mask: torch.Tensor, cp_group: ProcessGroup = None,
-                  dp_group: ProcessGroup = None) -> torch.Tensor:
+                  dp_group: ProcessGroup = None, zigzag: bool = True) -> torch.Tensor:
     """Mean of ``x`` over the valid tokens at each sequence position, over all CP and DP ranks:
     ``[T_max]`` with T_max the global padded length (0 where no sequence reaches a position).
-    Two collectives over DP (the padded lengths may differ between DP ranks) and one over CP."""
+    Two collectives over DP (the padded lengths may differ between DP ranks) and one over CP.
+    ``zigzag=False``: the columns are positions already (``ReduceGroups.cp_zigzag``)."""
     dt = stat_dtype(x)
     t_local = x.shape[-1]
-    cp = dist.get_world_size(cp_group) if _active(cp_group) else 1
+    cp = dist.get_world_size(cp_group) if _active(cp_group) and zigzag else 1
     t_max = int(all_reduce(torch.tensor([t_local * cp], device=x.device), "max", dp_group)[0])
     buf = torch.zeros(2, t_max, dtype=dt, device=x.device)
-    pos = cp_positions(t_local, cp_group, x.device)
+    pos = cp_positions(t_local, cp_group if zigzag else None, x.device)
     zero = torch.zeros((), dtype=dt, device=x.device)
     buf[0].index_add_(0, pos, torch.where(mask, x.detach().to(dt), zero).sum(0))
     buf[1].index_add_(0, pos, mask.sum(0).to(dt))

@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from megatron_rl import config_io
 from megatron_rl.config import RunConfig, dump_yaml
+from megatron_rl.config_checks import batch_unit
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
@@ -166,7 +167,7 @@ class Run:
         board = maybe_board(cfg.logging.progress)
         if board is not None:
             self._closers.append(board.close)
-        self.trainers = TrainerGroup(self.placement.trainers, progress=board)
+        self.trainers = TrainerGroup(self.placement.trainers, progress=board, work=self._dp_work())
         self.trainers.setup()
         urls = ray.get(url_refs) if url_refs else list(r.urls)
         logger.info("rollout servers: %s", urls)
@@ -192,7 +193,7 @@ class Run:
             offload = r.offload_trainer if r.offload_trainer is not None else cfg.cluster.gpus_per_trainer > 0
             self.colocation = Colocation(self.engine, self.trainers, self.timer, offload_trainer=offload,
                                          check=r.weight_sync.check)
-        unit = self.trainers.dp * cfg.train.micro_batch_size
+        unit = batch_unit(cfg)
         self.rollouts = RolloutPhase(r, self.engine, self.tokenizer, self.sampler, self.rewards, seed=cfg.seed,
                                      batch_unit=unit, progress_bars=cfg.logging.progress,
                                      routed_experts=cfg.train.routing_replay)
@@ -213,6 +214,20 @@ class Run:
             return [e.start.remote() for e in engines]
         ids = ray.get([t.device_ids.remote() for t in self.placement.trainers])
         return [e.start.remote(d) for e, d in zip(engines, colocated_devices(ids, engine_tp(r), len(engines)))]
+
+    def _dp_work(self):
+        """With a token budget: the trainer's estimate of a sequence's work (lengths as packed under CP), by
+        which the driver balances its data-parallel split; None: equal contiguous shards."""
+        if not self.cfg.train.token_budget:
+            return None
+        import torch
+
+        from megatron_rl.models.build import load_arch
+        from megatron_rl.training.micro_batch import packed_lengths
+        from megatron_rl.training.schedule import WorkModel
+
+        model, cp = WorkModel.from_arch(load_arch(self.cfg.model.hf_path)), self.cfg.parallel.cp
+        return lambda lengths: model(packed_lengths(torch.tensor(lengths), cp).tolist())
 
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint

@@ -5,14 +5,15 @@ Megatron's collectives need every rank inside the same call, so a method is alwa
 actors before any result is awaited -- and submitted under one lock: the engine-recovery thread
 (``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
 actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
-data-parallel replica and are put back together in batch order (``TrainBatch.split`` is contiguous).
+data-parallel replica and are put back together in batch order. The batch is split over data-parallel ranks contiguously, or, with a
+token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.schedule.rank_rows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,10 +22,12 @@ from megatron_rl.orchestration import failures
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
+from megatron_rl.training.schedule import rank_rows
 
 
 class TrainerGroup:
-    def __init__(self, workers: List[Any], progress: Optional[ProgressBoard] = None):
+    def __init__(self, workers: List[Any], progress: Optional[ProgressBoard] = None,
+                 work: Optional[Callable[[List[int]], List[float]]] = None):
         self.workers = workers
         self.infos: List[Dict[str, int]] = []
         self.progress = progress  # draws the bars the ranks report while a call runs
@@ -32,6 +35,7 @@ class TrainerGroup:
         # the label of the weights the trainer holds once every submitted call has run: the last synced
         # version, or the step of the last submitted train step (what a restarted engine is given)
         self.weights_version = "default"
+        self.work = work  # sequence lengths -> estimated work: balance the DP split by it (None: contiguous)
 
     def _submit(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
         return [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
@@ -106,29 +110,32 @@ class TrainerGroup:
         return self.infos[0]["dp"]
 
     # ---- batches -------------------------------------------------------------------------------------
-    def _shards(self, batch: TrainBatch) -> List[TrainBatch]:
+    def _shards(self, batch: TrainBatch) -> Tuple[List[Any], torch.Tensor]:
+        """(each worker's shard, the batch row of every shard row in DP-rank order)."""
         import ray
 
-        shards = [ray.put(s) for s in batch.split(self.dp)]  # each shard serialised once
-        return [shards[info["dp_rank"]] for info in self.infos]
+        rows = rank_rows(batch.seq_lengths, self.dp, self.work)
+        shards = [ray.put(batch.select(r)) for r in rows]  # each shard serialised once
+        return [shards[info["dp_rank"]] for info in self.infos], torch.cat(rows)
 
     def _gather(self, results: List[Any]) -> List[Any]:
         by_dp = {r[0]: r[1] for r in results if r is not None}
         return [by_dp[i] for i in range(self.dp)]
 
     def forward(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> ForwardResult:
-        shards = self._shards(batch)
+        shards, order = self._shards(batch)
         parts = self._gather(self._call("forward", per_rank=[(s, objective) for s in shards]))
-        return _concat_forward(parts)
+        return _concat_forward(parts, torch.argsort(order))
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        shards = self._shards(batch)
-        return torch.cat(self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards])))
+        shards, order = self._shards(batch)
+        parts = self._gather(self._call("ref_logprobs", per_rank=[(s,) for s in shards]))
+        return torch.cat(parts)[torch.argsort(order)]
 
     def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None,
                    version: Any = None) -> StepResult:
         """One optimizer step; ``version``: the label of the weights it produces (the driver's step)."""
-        shards = self._shards(batch)
+        shards, _ = self._shards(batch)
         return self._call("train_step", per_rank=[(s, objective) for s in shards], version=version)[0]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
@@ -179,14 +186,13 @@ def _max_over_ranks(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
     return {k: max(m[k] for m in per_rank if k in m) for k in per_rank[0]}
 
 
-def _concat_forward(parts: List[ForwardResult]) -> ForwardResult:
-    if len(parts) == 1:
-        return parts[0]
+def _concat_forward(parts: List[ForwardResult], inverse: torch.Tensor) -> ForwardResult:
+    """The DP ranks' results as one, rows back in batch order (``inverse``: batch row -> result row)."""
     fields = {}
     for f in dataclasses.fields(ForwardResult):
         values = [getattr(p, f.name) for p in parts]
         if not isinstance(values[0], torch.Tensor):
             fields[f.name] = values[0]  # None, or metrics already reduced over data parallelism
         else:  # DP shards keep the full batch's response width R (TrainBatch.select): they concatenate
-            fields[f.name] = torch.cat(values)
+            fields[f.name] = torch.cat(values)[inverse]
     return ForwardResult(**fields)

@@ -102,20 +102,21 @@ class TrainerWorker:
         from megatron_rl.orchestration.failures import identity
 
         return dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
-                    dp=dist.get_world_size(groups.dp), **identity())  # pid, log: to name the rank if it dies
+                    cp_rank=groups.cp_rank, dp=dist.get_world_size(groups.dp),
+                    **identity())  # pid, log: to name the rank if it dies
 
     def set_progress(self, reporter) -> None:
         """Bars for micro-batches (from the first replica's first TP rank: every replica runs as many)
         and weight sync (from its sender, rank 0)."""
         self.reporter = reporter
-        if self.groups.tp_rank == 0 and self.groups.dp_rank == 0:
+        if self.groups.tp_rank == 0 and self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
             self.trainer.progress = reporter
         if self.sync is not None and self.rank == 0:
             self.sync.progress = reporter
 
     def _reports(self) -> bool:
-        """One rank per data-parallel replica returns per-sequence results (every stage has them)."""
-        return self.groups.tp_rank == 0 and self.groups.pp_rank == 0
+        """One rank per data-parallel replica returns per-sequence results (every stage and CP rank has them)."""
+        return self.groups.tp_rank == 0 and self.groups.pp_rank == 0 and self.groups.cp_rank == 0
 
     # ---- compute -------------------------------------------------------------------------------------
     def forward(self, batch, objective: Optional[ObjectiveConfig] = None):

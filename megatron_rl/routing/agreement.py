@@ -63,7 +63,8 @@ class AgreementTracker:
         """One micro-batch: ``own`` = ``{global layer: [s*b, topk]}`` trainer ids (sequence-major)."""
         if mb.routed_experts is None:
             raise ValueError("routing agreement needs TrainBatch.routed_experts")
-        b, r = mb.logit_index.shape
+        b, s = mb.input_ids.shape  # this rank's positions (padded rows or one packed stream)
+        r = mb.logit_index.shape[1]
         for layer, ids in own.items():
             i = self._index[layer]
             mine = tokens_to_batch_major(ids.detach().cpu(), b)  # [b, s, k]
@@ -71,8 +72,8 @@ class AgreementTracker:
             if mine.shape != theirs.shape:
                 raise ValueError(f"routing agreement, layer {layer}: trainer ids {tuple(mine.shape)} vs engine ids "
                                  f"{tuple(theirs.shape)}")
-            at = mb.logit_index[..., None].expand(-1, -1, mine.shape[-1])
-            mine, theirs = mine.gather(1, at), theirs.gather(1, at)  # [b, r, k]
+            k = mine.shape[-1]
+            mine, theirs = mine.reshape(b * s, k)[mb.logit_index], theirs.reshape(b * s, k)[mb.logit_index]  # [n, r, k]
             compared = mb.response_mask & (theirs[..., 0] != FREE)
             agree = same_sets(mine, theirs) & compared
             self.layers[i, 0] += agree.sum()
@@ -92,10 +93,10 @@ class AgreementTracker:
 
     def finalize(self, groups, prefix: str = "routing/",
                  tokens: bool = True) -> Tuple[Optional[Tensor], Dict[str, float]]:
-        """``(per-token disagreement [B, R] float32 or None, metrics)``; collective over the PP group
-        (tokens) and PP + DP (metrics). Metrics: ``{prefix}agreement_layer{i}`` (i the global layer
+        """``(per-token disagreement [B, R] float32 or None, metrics)``; collective over the PP and CP
+        groups (tokens) and PP + DP + CP (metrics). Metrics: ``{prefix}agreement_layer{i}`` (i the global layer
         index) and ``{prefix}agreement_mean`` (over all compared (token, layer) pairs)."""
-        reduce_sum(self.layers, groups.pp, groups.dp)
+        reduce_sum(self.layers, groups.pp, groups.dp, groups.cp)  # CP ranks compare disjoint tokens
         metrics: Dict[str, float] = {}
         for layer, (agree, total) in zip(self.moe_layers, self.layers.tolist()):
             if total > 0:
@@ -105,7 +106,7 @@ class AgreementTracker:
             metrics[f"{prefix}agreement_mean"] = float(self.layers[:, 0].sum()) / total
         disagreement = None
         if tokens:
-            reduce_sum(self.tokens, groups.pp)
+            reduce_sum(self.tokens, groups.pp, groups.cp)
             disagreement = (self.tokens[0] / self.tokens[1].clamp(min=1)).float()
         return disagreement, metrics
 

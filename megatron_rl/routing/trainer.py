@@ -2,8 +2,10 @@
 
 * :meth:`TrainerRouting.routes` — the before-forward hook of one pass: replays ``routed_experts``
   (``TrainConfig.routing_replay``) in the train step, the old-log-prob pass (``forward``) and the
-  reference model's pass, after checking each micro-batch's ``route_checksums`` against its tokens;
-  records the trainer's own routing for agreement when a tracker is given.
+  reference model's pass (the batch's ``route_checksums`` are checked against its tokens first, in
+  :meth:`TrainerRouting.check_batch`); records the trainer's own routing for agreement when a tracker
+  is given. Routes follow the micro-batch's token layout (padded rows, a packed stream, this
+  context-parallel rank's zigzag chunks: :mod:`megatron_rl.training.micro_batch`).
 * :meth:`TrainerRouting.prepare` — fills ``TrainBatch.routing_disagreement`` (one forward-only pass)
   when ``objective.routing_mask`` is on and the batch does not carry it (pass
   ``ForwardResult.routing_disagreement`` along with ``old_logprobs`` to avoid the extra pass).
@@ -60,7 +62,9 @@ class TrainerRouting:
         return self.available and batch.routed_experts is not None
 
     def check_batch(self, batch) -> None:
-        """``routed_experts`` must be ``[B, L, num_moe_layers, topk]`` for this model."""
+        """``routed_experts`` must be ``[B, L, num_moe_layers, topk]`` for this model, and (with replay) its
+        rows recorded for the rows' tokens (``route_checksums``): checked before any forward, so every rank
+        fails, not one mid-schedule."""
         if batch.routed_experts is None or self.layout is None:
             return
         want = (self.layout.num_moe_layers, self.layout.topk)
@@ -69,6 +73,9 @@ class TrainerRouting:
             raise ValueError(f"TrainBatch.routed_experts has {got[0]} MoE layers x top-{got[1]}, but the trainer's "
                              f"model has {want[0]} MoE layers x top-{want[1]} (expected [B, L, {want[0]}, {want[1]}], "
                              f"got {tuple(batch.routed_experts.shape)})")
+        if self.cfg.routing_replay and batch.route_checksums is not None:
+            inside = torch.arange(batch.input_ids.shape[1])[None, :] < batch.seq_lengths[:, None]
+            check_route_checksums(torch.where(inside, batch.input_ids, 0), batch.route_checksums)
 
     # ---- passes --------------------------------------------------------------------------------
     def tracker(self, batch) -> Optional[AgreementTracker]:
@@ -88,8 +95,6 @@ class TrainerRouting:
         replay = self.cfg.routing_replay and _router_access(built)
         if replay:
             layers = _moe_layers(built)
-            for k, mb in enumerate(mbs):  # before any forward: fail on every rank, not mid-schedule
-                check_route_checksums(mb.input_ids, mb.route_checksums, f", micro-batch {k}")
             order: List = []
             with replay_routing(built, shadow=tracker is not None) as replayer:
                 def set_routes(mb) -> None:
@@ -166,7 +171,8 @@ class TrainerRouting:
             sums = torch.zeros(3, dtype=torch.float64)
             for mb, lp in zip(mbs, payloads):  # last stage only; empty elsewhere
                 sums += mismatch_sums(lp.float().cpu(), mb.rollout_logprobs, mb.response_mask)
-            metrics.update(mismatch_metrics(reduce_sum(sums, t.groups.pp, t.groups.dp), prefix="routing/no_replay/"))
+            metrics.update(mismatch_metrics(reduce_sum(sums, t.groups.pp, t.groups.dp, t.groups.cp),
+                                            prefix="routing/no_replay/"))
         return metrics
 
     def _replayed_tokens(self, pairs: int) -> float:

@@ -1,7 +1,9 @@
 """Train engine: forward/backward through Megatron's pipeline schedules, optimizer, checkpoints.
 
   config.py      OptimConfig, TrainConfig (validated dataclasses)
-  batch.py       TrainBatch (per-sequence tokens, per-response-token tensors), micro-batching
+  batch.py       TrainBatch (per-sequence tokens, per-response-token tensors)
+  micro_batch.py MicroBatch: padded rows or a packed stream, this context-parallel rank's zigzag share
+  schedule.py    token-budget micro-batches, work balanced over data-parallel ranks (pure functions)
   loss_glue.py   sharded logits + micro-batch -> token statistics -> LossInputs -> rl_loss
   pipeline.py    run micro-batches through get_forward_backward_func
   optim.py       Megatron DDP + optimizer; the guarded (skip-on-non-finite) optimizer step

@@ -6,12 +6,9 @@ tensors, with every per-token quantity aligned to *response* positions: column `
 ``input_ids`` (``P_i`` the prompt length). That is the layout the rollout engine produces and the one
 :class:`megatron_rl.objectives.LossInputs` consumes, so no index bookkeeping leaks into the driver.
 
-Variable lengths: **padded per micro-batch, not packed.** Each micro-batch is right-padded to its own
-longest sequence (rounded up to ``pad_to_multiple`` and to the TP size under sequence parallelism).
-Packing (THD) would save the padding, but our portable CPU attention (SDPA) has no packed-sequence
-support and Megatron's THD path needs Transformer Engine; right padding under a causal mask leaves
-every real position's output unchanged, so no attention mask is needed either. With
-``group_by_length`` similar lengths share a micro-batch, which keeps the padding small.
+How the sequences of a batch become micro-batches (padded or packed, split over context-parallel
+ranks) is :mod:`megatron_rl.training.micro_batch`; which sequences share one (a fixed count, or a token
+budget balanced over data-parallel ranks) is :mod:`megatron_rl.training.schedule`.
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 import torch
+
+from megatron_rl.training.micro_batch import MicroBatch, make_micro_batches, num_micro_batches  # noqa: F401
 
 Tensor = torch.Tensor
 _TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "routing_disagreement",
@@ -184,104 +183,3 @@ class TrainBatch:
                    rollout_logprobs=per_token(rollout_logprobs, 0.0, torch.float32), routed_experts=re,
                    group_ids=None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.long),
                    policy_version=per_token(policy_versions, -1, torch.int64))
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as the model and the loss see it.
-
-    ``rows`` index the parent batch. ``input_ids``/``position_ids`` are ``[b, s]`` (``s`` this
-    micro-batch's padded length); response-aligned fields are ``[b, r]`` with ``r`` its longest response
-    (at least 1). ``logit_index[i, j]`` is the sequence position whose logits predict response token
-    ``j`` (``P_i - 1 + j``, clamped inside the sequence for padding columns).
-    """
-
-    rows: Tensor
-    input_ids: Tensor
-    position_ids: Tensor
-    logit_index: Tensor
-    response_mask: Tensor
-    advantages: Optional[Tensor]
-    rollout_logprobs: Optional[Tensor]
-    old_logprobs: Optional[Tensor]
-    ref_logprobs: Optional[Tensor]
-    routed_experts: Optional[Tensor]
-    route_checksums: Optional[Tensor] = None
-    routing_disagreement: Optional[Tensor] = None
-    policy_version: Optional[Tensor] = None
-
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def seq_length(self) -> int:
-        return self.input_ids.shape[1]
-
-    @property
-    def targets(self) -> Tensor:
-        """``[b, s]`` next-token ids (the last column, predicting nothing, gets id 0)."""
-        return torch.cat([self.input_ids[:, 1:], torch.zeros_like(self.input_ids[:, :1])], dim=1)
-
-
-def num_micro_batches(batch_size: int, micro_batch_size: int) -> int:
-    if batch_size < 1:
-        raise ValueError("the batch is empty: nothing to train on (a data-parallel rank needs >= 1 sequence)")
-    if micro_batch_size > batch_size:
-        raise ValueError(f"train.micro_batch_size={micro_batch_size} is larger than this rank's batch of "
-                         f"{batch_size} sequences; lower the micro-batch size or raise the batch size")
-    if batch_size % micro_batch_size:
-        raise ValueError(f"this rank's batch of {batch_size} sequences is not divisible by train.micro_batch_size="
-                         f"{micro_batch_size}; make the per-rank batch a multiple of it")
-    return batch_size // micro_batch_size
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def make_micro_batches(batch: TrainBatch, micro_batch_size: int, *, pad_multiple: int = 1,
-                       group_by_length: bool = True, same_length: bool = False) -> List[MicroBatch]:
-    """Cut ``batch`` into ``B / micro_batch_size`` micro-batches, each padded to its own longest sequence
-    rounded up to ``pad_multiple`` (``same_length``: all to the batch's longest, for pipelines that cannot
-    exchange per-micro-batch shapes)."""
-    count = num_micro_batches(batch.batch_size, micro_batch_size)
-    lengths = batch.seq_lengths
-    fixed = _round_up(int(lengths.max()), pad_multiple) if same_length else None
-    # Stable sort: equal lengths keep their order, so the grouping is deterministic.
-    order = torch.argsort(lengths, stable=True) if group_by_length else torch.arange(batch.batch_size)
-    out = []
-    for k in range(count):
-        rows = order[k * micro_batch_size: (k + 1) * micro_batch_size]
-        out.append(_micro_batch(batch, rows, pad_multiple, fixed))
-    return out
-
-
-def _micro_batch(batch: TrainBatch, rows: Tensor, pad_multiple: int, fixed: Optional[int]) -> MicroBatch:
-    plen, rlen = batch.prompt_lengths[rows], batch.response_lengths[rows]
-    s = fixed or _round_up(int((plen + rlen).max()), pad_multiple)
-    r = max(1, int(rlen.max()))
-    L = batch.input_ids.shape[1]
-    ids = torch.zeros(len(rows), s, dtype=torch.long)
-    ids[:, : min(s, L)] = batch.input_ids[rows, : min(s, L)]
-    ids[torch.arange(s)[None, :] >= (plen + rlen)[:, None]] = 0  # deterministic padding id
-    logit_index = (plen[:, None] - 1 + torch.arange(r)[None, :]).clamp(max=s - 1)
-
-    def tok(name):
-        v = getattr(batch, name)
-        return None if v is None else v[rows, :r]
-
-    routed = None
-    if batch.routed_experts is not None:
-        src = batch.routed_experts[rows, : min(s, L)].long()
-        routed = torch.empty((len(rows), s) + tuple(src.shape[2:]), dtype=torch.long)
-        routed[:] = torch.arange(src.shape[-1])  # rounding padding: any valid, distinct expert ids
-        routed[:, : src.shape[1]] = src
-    return MicroBatch(
-        rows=rows, input_ids=ids, position_ids=torch.arange(s).expand(len(rows), -1).contiguous(),
-        logit_index=logit_index, response_mask=batch.response_mask[rows, :r], advantages=tok("advantages"),
-        rollout_logprobs=tok("rollout_logprobs"), old_logprobs=tok("old_logprobs"), ref_logprobs=tok("ref_logprobs"),
-        routed_experts=routed,
-        route_checksums=None if batch.route_checksums is None else batch.route_checksums[rows],
-        routing_disagreement=tok("routing_disagreement"), policy_version=tok("policy_version"),
-    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
@@ -81,15 +81,25 @@ class TrainConfig:
     """How a train step turns a batch into a loss.
 
     Attributes:
-        micro_batch_size: sequences per micro-batch. The data-parallel rank's batch must be a multiple of
-            it; the number of micro-batches is ``batch_size / micro_batch_size``.
+        micro_batch_size: sequences per micro-batch when no token budget is set. The data-parallel rank's
+            batch must be a multiple of it; the number of micro-batches is ``batch_size / micro_batch_size``.
+        packing: concatenate a micro-batch's sequences into one ``[1, T]`` stream (THD, ``cu_seqlens``)
+            instead of padding every row to the longest: positions restart per sequence, attention never
+            crosses one, no compute is spent on padding (:mod:`megatron_rl.training.micro_batch`).
+        max_tokens_per_micro_batch: token budget of a train micro-batch per context-parallel rank (0: a
+            fixed ``micro_batch_size``). Sequences are packed under this hard cap into as few micro-batches
+            as it allows, estimated work balanced over them and (through the driver) over data-parallel
+            ranks, the same count on every rank (:mod:`megatron_rl.training.schedule`). Needs ``packing``.
+        forward_max_tokens_per_micro_batch: the same for the forward-only passes (old / reference
+            log-probs), which keep no activations for a backward and can take more (0: as
+            ``max_tokens_per_micro_batch``).
         temperature: sampling temperature of the rollout; logits are divided by it before every
             statistic (log-probs, entropy, KL, DVP).
         objective: the RL loss (:class:`megatron_rl.objectives.ObjectiveConfig`).
-        pad_to_multiple: each micro-batch is right-padded to its own longest sequence, rounded up to this
-            multiple (and to the TP size under sequence parallelism).
-        group_by_length: sort sequences by length before cutting micro-batches (less padding). The loss
-            and gradient do not depend on the grouping: the step's normaliser is global.
+        pad_to_multiple: each micro-batch is right-padded to its own longest sequence (packed: the stream to
+            its total), rounded up to this multiple (and to what sequence and context parallelism need).
+        group_by_length: sort sequences by length before cutting fixed-size micro-batches (less padding).
+            The loss and gradient do not depend on the grouping: the step's normaliser is global.
         routing_replay: replay the rollout engine's MoE expert choices (``TrainBatch.routed_experts``) in the
             train step, ``forward`` (old log-probs) and the reference model's pass (:mod:`megatron_rl.routing`).
         routing_diagnostics: MoE routing metrics: per-layer agreement with the engine (every step, free) and
@@ -101,6 +111,9 @@ class TrainConfig:
     """
 
     micro_batch_size: int = 1
+    packing: bool = True
+    max_tokens_per_micro_batch: int = 0
+    forward_max_tokens_per_micro_batch: int = 0
     temperature: float = 1.0
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     pad_to_multiple: int = 1
@@ -113,6 +126,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise ValueError(f"train.micro_batch_size={self.micro_batch_size!r} must be a positive integer")
+        for name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"train.{name}={v!r} must be an integer >= 0 (0: fixed train.micro_batch_size)")
+            if v and not self.packing:
+                raise ValueError(f"train.{name}={v} packs sequences under a token budget, which needs "
+                                 "train.packing=true; set it, or use train.micro_batch_size with padding")
+        if self.forward_max_tokens_per_micro_batch and not self.max_tokens_per_micro_batch:
+            raise ValueError(f"train.forward_max_tokens_per_micro_batch={self.forward_max_tokens_per_micro_batch} "
+                             "needs train.max_tokens_per_micro_batch > 0 too (the train step's budget)")
         if not self.temperature > 0:
             raise ValueError(f"train.temperature={self.temperature} must be > 0")
         if not isinstance(self.objective, ObjectiveConfig):
@@ -132,6 +155,16 @@ class TrainConfig:
                 "objective.trm.divergence='exact' needs the rollout engine's full distribution (LossInputs."
                 "rollout_kl), which a TrainBatch does not carry; use divergence='sample' or 'auto'"
             )
+
+    @property
+    def token_budget(self) -> bool:
+        return self.max_tokens_per_micro_batch > 0
+
+    def token_budget_of(self, forward_only: bool) -> Tuple[int, str]:
+        """(token budget per CP rank of a pass, the field that sets it); 0: fixed ``micro_batch_size``."""
+        if forward_only and self.forward_max_tokens_per_micro_batch:
+            return self.forward_max_tokens_per_micro_batch, "train.forward_max_tokens_per_micro_batch"
+        return self.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch"
 
     @property
     def needs_reference_logits(self) -> bool:

@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import logging
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,11 +37,13 @@ from megatron_rl.parallel import ParallelGroups
 from megatron_rl.routing.trainer import TrainerRouting
 from megatron_rl.schedules import LRSchedule, set_lr
 from megatron_rl.training import loss_glue
-from megatron_rl.training.batch import MicroBatch, TrainBatch, make_micro_batches
+from megatron_rl.training.batch import MicroBatch, TrainBatch
 from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_groups, packed_lengths, stream_multiple
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches
 from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics
+from megatron_rl.training.schedule import WorkModel, imbalance, pack
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +73,16 @@ class PolicyTrainer:
                  optim: Optional[OptimConfig] = None, *, load_weights: bool = True) -> None:
         from megatron.core import parallel_state as ps
 
-        if groups.layout.cp > 1:
-            raise ValueError("context parallelism is not supported by the trainer yet (its micro-batches are not "
-                             "split over CP ranks); use cp=1")
         self.cfg, self.optim_cfg, self.groups = train, optim, groups
         pp = groups.layout.pp
         self.built: BuiltModel = build_model(pipeline_ready(model, pp), groups, load_weights=load_weights)
         tc = self.built.tconfig
         self._same_length = pp > 1 and not tc.variable_seq_lengths
         sp = tc.sequence_parallel and groups.layout.tp > 1
-        self._pad_multiple = math.lcm(train.pad_to_multiple, groups.layout.tp if sp else 1)
+        cp = groups.layout.cp
+        # each CP rank's share of a row / stream must split over TP under sequence parallelism
+        self._pad_multiple = math.lcm(train.pad_to_multiple, (groups.layout.tp if sp else 1) * cp)
+        self.work = WorkModel.from_arch(self.built.arch)
         self._mp_group = ps.get_model_parallel_group()  # read once, at the edge
         self.routing = TrainerRouting(self)  # MoE routing replay, agreement metrics, the routing mask's input
         self.ref: Optional[BuiltModel] = None
@@ -115,11 +117,13 @@ class PolicyTrainer:
         of the current weights, on every rank of this data-parallel replica. ``objective``: as in
         :meth:`train_step` (it sets e.g. the direction of ``ref_kl``)."""
         with self._objective(objective):
-            mbs = self._micro_batches(batch)
+            mbs, batch_metrics = self._micro_batches(batch, forward_only=True)
             ref = self._reference_logits(mbs)
             tracker = self.routing.tracker(batch)
             payloads = self._stats_pass(mbs, ref, tracker)
-            return self.routing.finish_forward(self._assemble(batch, mbs, payloads), batch, tracker)
+            result = self.routing.finish_forward(self._assemble(batch, mbs, payloads), batch, tracker)
+            result.metrics.update(batch_metrics)
+            return result
 
     def train_step(self, batch: TrainBatch, objective: Optional[ObjectiveConfig] = None) -> StepResult:
         """One optimizer step on this replica's batch (collective over the whole job).
@@ -154,13 +158,14 @@ class PolicyTrainer:
             raise ValueError("policy.mode='decoupled' needs TrainBatch.old_logprobs: run trainer.forward(batch) first "
                              "and pass batch.replace(old_logprobs=result.logprobs), or use policy.mode='bypass'")
         batch = self.routing.prepare(batch)  # the routing mask's input, if it needs one and it is missing
-        mbs = self._micro_batches(batch)
+        mbs, batch_metrics = self._micro_batches(batch, forward_only=False)
         self._check_same_count_over_dp(len(mbs))
         routing_metrics = self.routing.before_step(batch, mbs)  # diagnostics at the pre-update weights
         lr_before = self.lr
         lr, schedule_before = self._begin_lr(batch)
         ref = self._reference_logits(mbs) if cfg.needs_reference_logits else None
-        reduce_groups = ReduceGroups(dp=groups.dp)
+        # Under CP every rank holds all response columns, its own tokens selected by the mask.
+        reduce_groups = ReduceGroups(cp=groups.cp if groups.layout.cp > 1 else None, dp=groups.dp, cp_zigzag=False)
         normalizer = self._step_normalizer(mbs, ref, reduce_groups)
         # Megatron divides by M and DDP by dp*cp: see the module docstring.
         scale = len(mbs) * dist.get_world_size(groups.dp_cp) / groups.layout.cp
@@ -205,6 +210,7 @@ class PolicyTrainer:
             logger.warning("train step skipped after %d optimizer steps: %s; %d step(s) skipped so far",
                            self.step, why, self.skipped_steps)
         metrics.update(self.schedule.metrics())  # the length-surge state (the run report plots it)
+        metrics.update(batch_metrics)
         metrics.update(self.routing.after_step(batch, tracker, metrics, routing_metrics))
         return StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not applied,
                           skipped_steps=self.skipped_steps, metrics=metrics)
@@ -220,23 +226,53 @@ class PolicyTrainer:
         return step_normalizer(records, cfg.objective, reduce_groups)
 
     def _step_loss(self, payloads):
-        """``(step loss, non-finite policy tokens)``, summed over micro-batches and DP (last stage; 0
-        elsewhere: the skip decision is all-reduced in :func:`guarded_step`)."""
+        """``(step loss, non-finite policy tokens)``, summed over micro-batches, DP and CP (CP ranks score
+        disjoint tokens; last stage; 0 elsewhere: the skip decision is all-reduced in :func:`guarded_step`)."""
         if not self.built.post_process:
             return 0.0, 0
         t = torch.tensor([sum(p["loss"] for p in payloads), sum(p["nonfinite"] for p in payloads)], dtype=torch.float64)
-        self._all_reduce(t, dist.ReduceOp.SUM, self.groups.dp)
+        self._all_reduce(t, dist.ReduceOp.SUM, self.groups.dp_cp)
         return float(t[0]), int(t[1])
 
     # ------------------------------------------------------------------------------------------
     # Batches
     # ------------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch) -> List[MicroBatch]:
+    def _micro_batches(self, batch: TrainBatch, forward_only: bool) -> Tuple[List[MicroBatch], Dict[str, float]]:
+        """This rank's micro-batches of ``batch`` — a fixed count, or packed under the pass's token budget
+        with the same count on every DP rank — and the pass's ``batch/*`` metrics (collective over DP)."""
         if not isinstance(batch, TrainBatch):
             raise ValueError(f"expected a TrainBatch, got {type(batch).__name__}")
         self._check_batch(batch)
-        return make_micro_batches(batch, self.cfg.micro_batch_size, pad_multiple=self._pad_multiple,
-                                  group_by_length=self.cfg.group_by_length, same_length=self._same_length)
+        cfg, lay = self.cfg, self.groups.layout
+        tokens = (packed_lengths(batch.seq_lengths, lay.cp) if cfg.packing else batch.seq_lengths).tolist()
+        work = self.work(tokens)
+        budget, field = cfg.token_budget_of(forward_only)
+        if budget:
+            plan = dict(cap=budget * lay.cp, multiple=stream_multiple(self._pad_multiple, lay.cp), field=field,
+                        cp=lay.cp)
+            bins = pack(tokens, work, **plan)
+            count = torch.tensor([len(bins)], dtype=torch.int64)
+            self._all_reduce(count, dist.ReduceOp.MAX, self.groups.dp)  # the same count on every DP rank
+            if int(count) != len(bins):
+                bins = pack(tokens, work, count=int(count), **plan)
+            groups = [torch.tensor(g, dtype=torch.long) for g in bins]
+        else:
+            groups = fixed_size_groups(batch, cfg.micro_batch_size, cfg.group_by_length)
+        mbs = build_micro_batches(batch, groups, pad_multiple=self._pad_multiple, same_length=self._same_length,
+                                  packed=cfg.packing, cp_size=lay.cp, cp_rank=self.groups.cp_rank)
+        return mbs, self._batch_metrics(mbs, sum(work), "batch/forward_" if forward_only else "batch/")
+
+    def _batch_metrics(self, mbs: List[MicroBatch], work: float, prefix: str) -> Dict[str, float]:
+        """``padding_frac`` (padding share of the positions computed), ``dp_imbalance`` (max / mean estimated
+        work over DP ranks), ``micro_batches`` (per rank), over the whole pass; one all-reduce over DP."""
+        dp = dist.get_world_size(self.groups.dp)
+        buf = torch.zeros(2 + dp, dtype=torch.float64)
+        buf[0] = sum(mb.token_slots for mb in mbs)
+        buf[1] = sum(mb.real_tokens for mb in mbs)
+        buf[2 + self.groups.dp_rank] = work
+        self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.dp)
+        return {f"{prefix}padding_frac": float(1 - buf[1] / buf[0].clamp(min=1)),
+                f"{prefix}dp_imbalance": imbalance(buf[2:].tolist()), f"{prefix}micro_batches": float(len(mbs))}
 
     def _check_batch(self, batch: TrainBatch) -> None:
         arch = self.built.arch
@@ -327,9 +363,11 @@ class PolicyTrainer:
         buf = torch.zeros(len(keys), B, R, dtype=torch.float32)
         for mb, stats in zip(mbs, payloads):
             r = mb.response_mask.shape[1]
-            for i, key in enumerate(keys):
-                buf[i, mb.rows, :r] = stats[key].float().cpu()
+            for i, key in enumerate(keys):  # this rank's tokens only (under CP, the others score the rest)
+                buf[i, mb.rows, :r] = torch.where(mb.response_mask, stats[key].float().cpu(), 0.0)
         buf = torch.where(batch.response_mask, buf, torch.zeros((), dtype=buf.dtype))
+        if self.groups.layout.cp > 1 and self.built.post_process:  # CP ranks filled disjoint tokens
+            self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.cp)
         pp = self.groups.layout.pp
         if pp > 1:  # the last stage computed it: give it to every stage of the replica
             src = dist.get_global_rank(self.groups.pp, pp - 1)

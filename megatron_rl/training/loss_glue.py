@@ -2,11 +2,13 @@
 
 Pipeline of one micro-batch (all on the last pipeline stage, identical on every TP rank):
 
-1. next-token targets: position ``t`` predicts ``input_ids[t + 1]``;
+1. next-token targets (``MicroBatch.targets``: position ``t`` predicts the next token of its sequence);
 2. :func:`megatron_rl.ops.vocab_parallel_stats` over every position (log-prob, entropy, Σπ², and the
    DVP min-p pruned log-prob when DVP uses min-p; other DVP rules through
    :func:`megatron_rl.objectives.pruned_token_stats`), optionally the exact KL to reference logits;
-3. an index gather to response positions ``[b, r]`` (cheap: per-token scalars, never logits);
+3. an index gather to response positions ``[n, r]`` (cheap: per-token scalars, never logits), through
+   ``MicroBatch.logit_index`` — the same code for padded rows, a packed stream and a context-parallel
+   rank's share (whose ``response_mask`` holds only its own tokens);
 4. :class:`~megatron_rl.objectives.LossInputs` and :func:`~megatron_rl.objectives.rl_loss` with the
    step's :class:`~megatron_rl.objectives.Normalizer`.
 
@@ -32,7 +34,7 @@ Tensor = torch.Tensor
 
 @dataclass
 class TokenStats:
-    """Per-response-token statistics ``[b, r]`` of the current policy.
+    """Per-response-token statistics ``[n, r]`` of the current policy.
 
     ``logprobs`` is the log-prob the loss uses (DVP-pruned when DVP is on; differentiable);
     ``full_logprobs`` the unpruned one (only with DVP). ``ref_kl`` (differentiable) only with reference
@@ -58,7 +60,7 @@ def ref_kl_direction(cfg: TrainConfig) -> str:
 
 def token_stats(logits: Tensor, mb: MicroBatch, cfg: TrainConfig, *, tp_group, vocab_size: int,
                 ref_logits: Optional[Tensor] = None) -> TokenStats:
-    """Statistics of ``mb``'s response tokens from this rank's logits shard ``[b, s, V_local]``."""
+    """Statistics of ``mb``'s response tokens ``[n, r]`` from this rank's logits shard ``[b, s, V_local]``."""
     if logits.shape[:2] != mb.input_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match the micro-batch tokens "
                          f"{tuple(mb.input_ids.shape)}")
@@ -66,8 +68,8 @@ def token_stats(logits: Tensor, mb: MicroBatch, cfg: TrainConfig, *, tp_group, v
     common = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=cfg.temperature, chunk_size=cfg.chunk_size)
     st = vocab_parallel_stats(logits, targets, min_p=cfg.dvp_min_p, **common)
 
-    def at_response(t: Optional[Tensor]) -> Optional[Tensor]:
-        return None if t is None else t.gather(1, mb.logit_index)
+    def at_response(t: Optional[Tensor]) -> Optional[Tensor]:  # [b, s] -> [n, r]: padded or packed alike
+        return None if t is None else t.reshape(-1)[mb.logit_index]
 
     out = TokenStats(at_response(st.logprobs), at_response(st.entropy), at_response(st.sum_pi_squared))
     dvp = cfg.objective.dvp

@@ -42,7 +42,8 @@ def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossF
         k, mb = next(data_iterator)
         if before_forward is not None:
             before_forward(mb)
-        out = stage(mb.input_ids, mb.position_ids, attention_mask=None)  # causal; right padding is harmless
+        # causal: right padding is harmless; packed streams carry their boundaries
+        out = stage(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=packed_seq_params(mb))
 
         def loss_func(logits: Tensor):
             loss, payload = loss_fn(logits, mb, k)
@@ -53,7 +54,7 @@ def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossF
 
         return out, loss_func
 
-    longest = max(mb.seq_length for mb in micro_batches)
+    longest = max(mb.seq_length for mb in micro_batches)  # before the CP split: Megatron divides by CP
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=items,
@@ -65,3 +66,18 @@ def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossF
         micro_batch_size=micro_batches[0].size,
         forward_only=forward_only,
     )
+
+
+def packed_seq_params(mb: MicroBatch):
+    """Megatron's THD parameters of a packed micro-batch (None when padded). Boundaries in full-stream
+    coordinates: real lengths in ``cu_seqlens_*``, the (CP-padded) segments in ``cu_seqlens_*_padded``,
+    which Megatron's RoPE and our core attention read and Transformer Engine uses to skip the padding."""
+    if not mb.packed:
+        return None
+    from megatron_rl.parallel import device
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    dev = device()
+    cu, cu_padded = mb.cu_seqlens.to(dev), mb.cu_seqlens_padded.to(dev)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                           cu_seqlens_kv_padded=cu_padded, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)

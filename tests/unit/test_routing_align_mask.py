@@ -114,11 +114,12 @@ def test_checksums_follow_rows_through_sorted_micro_batches_and_catch_a_shuffle(
     batch = attach_routes(_batch(samples), samples, LAYOUT)
     mbs = make_micro_batches(batch, 2, pad_multiple=4, group_by_length=True)
     assert torch.cat([mb.rows for mb in mbs]).tolist() != list(range(6))  # sorting did reorder the rows
-    L = batch.input_ids.shape[1]
     for mb in mbs:
         check_route_checksums(mb.input_ids, mb.route_checksums)  # sorted and padded: still aligned
-        n = min(L, mb.seq_length)
-        assert torch.equal(mb.routed_experts[:, :n], batch.routed_experts[mb.rows, :n])
+        for i, row in enumerate(mb.rows.tolist()):
+            n = int(batch.seq_lengths[row])
+            assert torch.equal(mb.routed_experts[i, :n], batch.routed_experts[row, :n])
+            assert (mb.routed_experts[i, n:] == torch.arange(2)).all()  # padding: valid, distinct ids
     perm = torch.tensor([1, 0, 2, 3, 4, 5])
     shuffled = batch.replace(routed_experts=batch.routed_experts[perm], route_checksums=batch.route_checksums[perm])
     with pytest.raises(ValueError, match="routing replay, micro-batch 0: the routes of row\\(s\\) \\[0, 1\\] were "
@@ -138,7 +139,7 @@ def test_agreement_counts_sets_at_the_predicting_positions():
     tracker.add(mb, {0: own[:, :, 0].transpose(0, 1).reshape(-1, 2), 2: own[:, :, 1].transpose(0, 1).reshape(-1, 2)})
 
     class G:
-        pp = dp = None
+        pp = dp = cp = None
 
     dis, metrics = tracker.finalize(G())
     changed = not torch.equal(own[0, 3, 1].sort().values, mb.routed_experts[0, 3, 1].sort().values)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_rl import cli
+from megatron_rl import cli, config_io
 from megatron_rl.config import RunConfig, load_run_config, resolve_mapping, build_run_config
 from megatron_rl.config_checks import check_run_config
 from megatron_rl.config_io import ConfigError
@@ -33,10 +33,22 @@ def test_tiny_recipe_resolves(assets, tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needles", [
-    (["rollout.prompts_per_step=3", "train.micro_batch_size=16"],
+    (["rollout.prompts_per_step=3", "train.micro_batch_size=16", "train.max_tokens_per_micro_batch=0",
+      "train.forward_max_tokens_per_micro_batch=0"],
      ["rollout.prompts_per_step * rollout.n_samples_per_prompt = 3 * 8 = 24", "train.micro_batch_size = 1 * 16 = 16",
       "make prompts_per_step a multiple of 2"]),
-    (["parallel.world_size=3"], ["parallel.world_size=3 is not divisible by parallel.tp * parallel.pp = 2 * 1 = 2"]),
+    (["parallel.world_size=3"], ["parallel.world_size=3 is not divisible by parallel.tp * parallel.pp * parallel.cp "
+                                 "= 2 * 1 * 1 = 2"]),
+    (["parallel.cp=2"], ["parallel.tp * parallel.pp * parallel.cp = 2 * 1 * 2 = 4", "change tp/pp/cp"]),
+    (["parallel.cp=2", "parallel.tp=1"], ["parallel.cp=2: the post-sync probe", "set rollout.weight_sync.check=false"]),
+    (["train.max_tokens_per_micro_batch=8"], ["data.max_prompt_tokens + rollout.sampling.max_new_tokens = 20 tokens",
+                                              "train.max_tokens_per_micro_batch=8 x parallel.cp=1 = 8",
+                                              "raise train.max_tokens_per_micro_batch to >= 20"]),
+    (["parallel.cp=2", "parallel.tp=1", "rollout.weight_sync.check=false", "train.max_tokens_per_micro_batch=8"],
+     ["(20 once padded for parallel.cp=2", "train.max_tokens_per_micro_batch=8 x parallel.cp=2 = 16",
+      "raise train.max_tokens_per_micro_batch to >= 10 or parallel.cp"]),
+    (["train.packing=false", "train.max_tokens_per_micro_batch=64"],
+     ["train.max_tokens_per_micro_batch=64 packs sequences under a token budget, which needs train.packing=true"]),
     (["parallel.world_size=8", "parallel.tp=8"], ["num_attention_heads=4 is not divisible by the parallel size 8",
                                                   "parallel (tp=8"]),
     (["rollout.sampling.temperature=0.7"], ["rollout.sampling.temperature=0.7 and train.temperature=1.0 differ"]),
@@ -170,6 +182,12 @@ def test_gpu_recipes_are_consistent(tmp_path):
         assert (p.world_size, (p.tp, p.pp, p.ep)) == (world, layout)
         assert cfg.rollout.engine == "sglang" and cfg.rollout.transport == "distributed"
         assert cfg.slurm is not None and cfg.slurm.gpus_per_node == 8
+        assert cfg.train.packing and cfg.train.max_tokens_per_micro_batch >= 5120
+        # the long-context variant the recipes describe: twice the ranks, every sequence split over 2
+        long = build_run_config(config_io.merge(mapping, config_io.parse_overrides(
+            [f"parallel.world_size={2 * world}", "parallel.cp=2", "rollout.weight_sync.check=false"])))
+        check_run_config(long, files=False)
+        assert long.parallel.dp == cfg.parallel.dp
 
 
 def test_cli_dry_run_and_config_error_exit_codes(assets, tmp_path, capsys):

@@ -156,8 +156,8 @@ def test_micro_batches_cover_rows_and_align_targets(group):
         assert m.seq_length % 4 == 0 and m.seq_length >= int(batch.seq_lengths[m.rows].max())
         for i, row in enumerate(m.rows.tolist()):
             r = responses[row]
-            # the logits row logit_index[i, j] predicts targets[i, logit_index[i, j]] = response token j
-            got = m.targets[i, m.logit_index[i, : len(r)]]
+            # the logits at flat position logit_index[i, j] predict targets there = response token j
+            got = m.targets.reshape(-1)[m.logit_index[i, : len(r)]]
             assert got.tolist() == r.tolist()
             assert m.response_mask[i].sum() == len(r)
             assert torch.equal(m.position_ids[i], torch.arange(m.seq_length))
