@@ -22,7 +22,7 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
     """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
     and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
     problems: List[str] = []
-    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs] + ([_paths] if files else [])
+    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs, _profile] + ([_paths] if files else [])
     for check in checks:
         check(cfg, problems)
     if files and not problems:  # model-file checks only once the paths are known to exist
@@ -30,6 +30,18 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"{len(problems)} problem(s) in the config:\n{listing}")
+
+
+def _profile(cfg: RunConfig, out: List[str]) -> None:
+    p = cfg.profile
+    late = [s for s in p.steps if s > cfg.steps]
+    if late:
+        out.append(f"profile.steps={p.steps}: step(s) {late} come after the last step (steps={cfg.steps}); "
+                   "list steps in [1, steps]")
+    ranks = [r for r in p.trainer_ranks if r >= cfg.parallel.world_size]
+    if p.steps and ranks:
+        out.append(f"profile.trainer_ranks={p.trainer_ranks}: rank(s) {ranks} do not exist with "
+                   f"parallel.world_size={cfg.parallel.world_size}; use ranks in [0, {cfg.parallel.world_size - 1}]")
 
 
 def _parallel(cfg: RunConfig, out: List[str]) -> None:

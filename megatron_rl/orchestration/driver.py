@@ -35,6 +35,7 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
             first = {}
         pending = run.pending
         for step in range(run.start_step + 1, cfg.last_step + 1):
+            run.profile_start(step)  # profile.steps: torch-profiler traces of this step
             batch = pending or run.rollout(step)  # rollout -> rewards -> dynamic-sampling filter
             next_rollout = run.rollout_async(step + 1)  # off-policy: overlaps this step's training
             metrics, first = {**first, **batch.metrics}, {}
@@ -52,5 +53,6 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
                 metrics.update(run.sync_weights(step))
             metrics.update(run.evaluate(step))
             run.checkpoint(step, pending)
+            run.profile_stop(step)
             history.append(run.log(step, metrics, batch))
     return history

@@ -46,6 +46,8 @@ class EngineWorker:
         self.spec = spec
         self.server = None
         self.process = None
+        self.capture = None  # embedded: a torch-profiler session over this process (profile.steps)
+        self._url = None
 
     def start(self) -> str:
         """Start the server; returns its URL (reachable from the driver and the trainers)."""
@@ -75,6 +77,7 @@ class EngineWorker:
             spec.model_path, EmbeddedEngineConfig(logprob_mode=spec.logprob_mode, seed=spec.seed, max_batch_rows=256),
             dtype=getattr(torch, spec.dtype), device=device)
         self.server = EmbeddedServer(engine, host=spec.host, port=0).start()
+        self._url = self.server.url
         return self._advertised(self.server.url)
 
     def _start_sglang(self) -> str:
@@ -88,7 +91,35 @@ class EngineWorker:
             extra_args=tuple(s.extra_args), env=dict(s.env), health_timeout_s=s.health_timeout_s,
             log_path=os.path.join(spec.log_dir, f"sglang_{spec.index}.log"))
         self.process = launch_sglang_server(cfg)
+        self._url = self.process.url
         return self._advertised(self.process.url)
+
+    def start_profile(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
+        """Embedded: trace this process (all threads) into ``path``.json; SGLang: its ``/start_profile``
+        writing into the directory ``path``."""
+        if self.process is not None:
+            self._post("/start_profile", {"output_dir": path, "record_shapes": record_shapes,
+                                          "with_stack": with_stack})
+            return
+        from megatron_rl.profiling import Capture
+
+        self.capture = self.capture or Capture()
+        self.capture.start(path + ".json", record_shapes, with_stack)
+
+    def stop_profile(self) -> Optional[str]:
+        if self.process is not None:
+            self._post("/stop_profile", {})
+            return None
+        return None if self.capture is None else self.capture.stop()
+
+    def _post(self, path: str, body: dict) -> None:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(self._url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
 
     def stop(self) -> None:
         if self.server is not None:

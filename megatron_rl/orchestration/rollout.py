@@ -191,6 +191,8 @@ def _metrics(generated: List[Group], kept: List[Group], rounds: int, times: Dict
         "rollout/aborted": float(sum(s.finish_reason == "abort" for s in samples)),
         "rollout/response_tokens": float(sum(lengths)),
         "rollout/prompt_tokens": float(sum(len(g.record.prompt_ids) * len(g.samples) for g in generated)),
+        "rollout/seq_len_sq_sum": float(sum((len(g.record.prompt_ids) + len(s.response_ids)) ** 2
+                                            for g in generated for s in g.samples)),  # attention FLOPs (MFU)
         "reward/failed": float(sum(sum(g.failed) for g in generated)),
         "time/rollout": times["rollout"],
         "time/reward": times["reward"],

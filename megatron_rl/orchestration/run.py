@@ -20,7 +20,7 @@ import pickle
 import shutil
 from typing import Any, Dict, Optional, Tuple
 
-from megatron_rl import config_io
+from megatron_rl import config_io, perf
 from megatron_rl.config import RunConfig, dump_yaml
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
@@ -61,6 +61,7 @@ class Run:
         self._prepare_output_dir()
         self._start_data()
         self._start_workers()
+        self._start_perf()
         self._restore_or_check()
         self.metrics = MetricsLogger(cfg.logging, resume_step=self.start_step if self.resumed else None,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
@@ -165,6 +166,21 @@ class Run:
         self.evaluator = (Evaluator(cfg.eval, self.eval_dataset, self.rollouts, cfg.seed)
                           if self.eval_dataset is not None else None)
 
+    def _start_perf(self) -> None:
+        """What MFU needs: the model's FLOPs per token, the devices, the device peak (trainer rank 0's)."""
+        from megatron_rl.models.build import load_arch
+
+        cfg = self.cfg
+        self.flops = perf.ModelFlops.from_arch(load_arch(cfg.model.hf_path))
+        self.devices = perf.run_devices(cfg)
+        info = self.trainers.infos[0]
+        self.peak_flops = info.get("peak_flops")
+        self._profiling: Optional[int] = None
+        if self.peak_flops:
+            logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
+                        self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,
+                        self.devices.engine, " (colocated)" if self.devices.colocated else "")
+
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint
 
@@ -252,10 +268,18 @@ class Run:
         with self.timer.phase("logprobs"):
             fwd = self.trainers.forward(tb, objective) if self._needs_forward(objective) else None
             ref = self.trainers.ref_logprobs(tb) if self.needs_ref_logprobs else None
+        # forward passes: the policy's (+ its reference model's logits) and the sample-KL reference's
+        passes = (0 if fwd is None else 1 + (self.cfg.train.reference_model is not None)) + (ref is not None)
+        flops = {"perf/logprob_flops": passes * self._batch_flops(tb)}
         if fwd is None:
-            return tb.replace(ref_logprobs=ref), None, {}
+            return tb.replace(ref_logprobs=ref), None, flops
         tb = tb.replace(old_logprobs=fwd.logprobs, ref_logprobs=ref, routing_disagreement=fwd.routing_disagreement)
-        return tb, fwd, {**batching.forward_metrics(tb, fwd, objective), **fwd.metrics}
+        return tb, fwd, {**batching.forward_metrics(tb, fwd, objective), **fwd.metrics, **flops}
+
+    def _batch_flops(self, tb) -> float:
+        """Forward FLOPs of the policy over the batch's sequences."""
+        lengths = tb.seq_lengths.tolist()
+        return self.flops.forward(float(sum(lengths)), perf.sum_sq(lengths))
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -283,6 +307,8 @@ class Run:
                "train/skipped": float(result.skipped), "train/optimizer_step": float(result.step),
                "train/tokens": float(tb.seq_lengths.sum()), "train/sequences": float(tb.batch_size),
                "train/warmup": float(self.is_warmup(step))}
+        ref = dataclasses.replace(self.cfg.train, objective=self.cfg.objective_at(step)).needs_reference_logits
+        out["perf/train_flops"] = (3 + ref) * self._batch_flops(tb)  # forward + backward (+ the reference's)
         out.update(result.metrics)
         return out
 
@@ -293,6 +319,35 @@ class Run:
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
         return out
+
+    def profile_start(self, step: int) -> None:
+        """``profile.steps``: start torch-profiler captures on the chosen trainer ranks and the engines."""
+        p = self.cfg.profile
+        if step not in p.steps:
+            return
+        import ray
+
+        d = p.step_dir(self.cfg.output_dir, step)
+        opts = dict(record_shapes=p.record_shapes, with_stack=p.with_stack)
+        with self.timer.phase("profile"):
+            self.trainers.start_profile(p.trainer_ranks, lambda r: os.path.join(d, f"trainer_rank{r}.json"), **opts)
+            if p.engines:
+                ray.get([e.start_profile.remote(os.path.join(d, f"engine{i}"), **opts)
+                         for i, e in enumerate(self.placement.engines)])
+        self._profiling = step
+
+    def profile_stop(self, step: int) -> None:
+        if self._profiling != step:
+            return
+        import ray
+
+        p = self.cfg.profile
+        with self.timer.phase("profile"):
+            self.trainers.stop_profile(p.trainer_ranks)
+            if p.engines:
+                ray.get([e.stop_profile.remote() for e in self.placement.engines])
+        self._profiling = None
+        logger.info("step %d: profiler traces in %s", step, p.step_dir(self.cfg.output_dir, step))
 
     def evaluate(self, step: int) -> Dict[str, float]:
         e = self.cfg.eval
@@ -330,6 +385,7 @@ class Run:
 
         metrics = {**metrics, **self.timer.finish_step()}
         metrics.update(throughput(metrics, metrics))
+        metrics.update(perf.step_metrics(metrics, self.flops, self.devices, self.peak_flops))
         text = {}
         if batch is not None and batch.groups and self.cfg.logging.print_samples:
             g = batch.groups[0]

@@ -95,6 +95,17 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self._call("save_hf", path)
 
+    # ---- profiling (not collective: only the chosen ranks) ---------------------------------------------
+    def start_profile(self, ranks: List[int], path_of_rank, **options) -> None:
+        import ray
+
+        ray.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks])
+
+    def stop_profile(self, ranks: List[int]) -> List[Optional[str]]:
+        import ray
+
+        return ray.get([self.workers[r].stop_profile.remote() for r in ranks])
+
 
 def _concat_forward(parts: List[ForwardResult]) -> ForwardResult:
     if len(parts) == 1:

@@ -62,6 +62,7 @@ class TrainerWorker:
         self.sync = None
         self._store = None  # rank 0: the rendezvous store it hosts
         self.reporter = None  # progress: reports to the driver's bars (orchestration.progress)
+        self.capture = None  # a torch-profiler session (profile.steps)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -92,8 +93,13 @@ class TrainerWorker:
             self.ref = PolicyTrainer(spec.ref_logprobs_model, plain, groups)
         import torch.distributed as dist
 
-        return dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+        info = dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                     dp=dist.get_world_size(groups.dp))
+        if self.rank == 0:  # the device's peak FLOP/s, for MFU (a table, or a matmul measured once and cached)
+            from megatron_rl.perf import device_peak_flops
+
+            info.update(device_peak_flops(spec.model.torch_dtype))
+        return info
 
     def set_progress(self, reporter) -> None:
         """Bars for micro-batches (from the first replica's first TP rank: every replica runs as many)
@@ -120,6 +126,16 @@ class TrainerWorker:
     def train_step(self, batch, objective: Optional[ObjectiveConfig] = None):
         result = self.trainer.train_step(batch, objective)
         return result if self.rank == 0 else None
+
+    # ---- profiling -----------------------------------------------------------------------------------
+    def start_profile(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
+        from megatron_rl.profiling import Capture
+
+        self.capture = self.capture or Capture()
+        self.capture.start(path, record_shapes, with_stack)
+
+    def stop_profile(self) -> Optional[str]:
+        return None if self.capture is None else self.capture.stop()
 
     # ---- weights ------------------------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, ranks_per_server: int = 1,
