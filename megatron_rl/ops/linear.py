@@ -61,29 +61,27 @@ class _Blocks:
 
 
 class _WeightGrad:
-    """``dW`` accumulated block by block (fp32 for 16-bit weights, so many blocks lose nothing)."""
+    """``dW`` accumulated block by block into its real rows (padding rows stay exactly zero); in fp32
+    for 16-bit weights, so that many blocks lose nothing."""
 
     def __init__(self, weight: torch.Tensor, nv: int, wanted: bool) -> None:
         self.weight, self.nv = weight, nv
         self.grad = None
         if wanted:
             acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
-            self.grad = torch.zeros(nv, weight.shape[1], dtype=acc_dtype, device=weight.device)
+            self.grad = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
 
     def add(self, g_blk: torch.Tensor, h_blk: torch.Tensor) -> None:
         if self.grad is None:
             return
+        rows = self.grad[: self.nv]  # a contiguous prefix: accumulated in place
         if self.grad.dtype == g_blk.dtype:
-            self.grad.addmm_(g_blk.t(), h_blk)
+            rows.addmm_(g_blk.t(), h_blk)
         else:
-            self.grad.add_(torch.mm(g_blk.t(), h_blk))
+            rows.add_(torch.mm(g_blk.t(), h_blk))
 
     def result(self) -> Optional[torch.Tensor]:
-        if self.grad is None:
-            return None
-        full = torch.zeros_like(self.weight)
-        full[: self.nv] = self.grad  # padding rows: exactly zero
-        return full
+        return None if self.grad is None else self.grad.to(self.weight.dtype)
 
 
 def _use_triton(backend: str, x: torch.Tensor) -> bool:

@@ -105,10 +105,11 @@ def test_kernels_compile_for_hopper():
             (stats_fwd, {"x_ptr": f"*{dt}", **common, "out_ptr": "*fp32", "n_rows": "i32"}, {}),
             (kept_fwd, {"x_ptr": f"*{dt}", **common, "m_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32",
                         "thr": "fp32"}, {}),
-            (grad, {"x_ptr": f"*{dt}", **common, "g_ptr": f"*{dt}", "stride_g": "i64", "m_ptr": "*fp32",
-                    "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "d_ptr": "*fp32", "thr": "fp32",
-                    "HAS_BETA": "constexpr", "HAS_GAMMA": "constexpr"}, {"HAS_BETA": True, "HAS_GAMMA": True}),
         ]
+        grad_sig = {"x_ptr": f"*{dt}", **common, "g_ptr": f"*{dt}", "stride_g": "i64", "m_ptr": "*fp32",
+                    "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "d_ptr": "*fp32", "thr": "fp32",
+                    "HAS_BETA": "constexpr", "HAS_GAMMA": "constexpr"}
+        sigs += [(grad, grad_sig, {"HAS_BETA": b, "HAS_GAMMA": c}) for b in (False, True) for c in (False, True)]
         for fn, sig, ce in sigs:
             src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": triton_head._BLOCK, **ce})
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
