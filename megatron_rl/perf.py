@@ -19,15 +19,15 @@ Per step (:func:`step_metrics`, from the step's ``time/*`` and token metrics):
   phase's FLOPs over its own time and devices.
 
 The device peak (:func:`device_peak_flops`): the vendor's dense bf16 (fp32 models: TF32) tensor-core
-peak from a table of known GPUs; for other devices, and on CPU, a matmul measured once (~0.5 s) and
-cached in ``~/.cache/megatron_rl/matmul_peak.json``.
+peak from a table of known GPUs; for other devices, and on CPU, a matmul rate measured once per process
+(~0.3 s, at start-up: trainer rank 0 reports it with its set-up) and cached for the process's lifetime.
+(Not on disk: a measurement taken while the machine was busy would outlive the load.)
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
@@ -92,11 +92,6 @@ def gpu_table_peak(name: str, dtype: torch.dtype) -> Optional[float]:
     return None
 
 
-def _cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatron_rl", "matmul_peak.json")
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -133,8 +128,8 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: floa
 
 
 def device_peak_flops(dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None) -> Dict[str, object]:
-    """``{"device": name, "peak_flops": FLOP/s, "source": "table" | "measured" | "cached"}`` of this
-    process's device (CUDA if available, else CPU with this process's thread count)."""
+    """``{"device": name, "peak_flops": FLOP/s, "source": "table" | "measured"}`` of this process's device
+    (CUDA if available, else CPU with this process's thread count)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -145,26 +140,12 @@ def device_peak_flops(dtype: torch.dtype = torch.bfloat16, device: Optional[torc
     else:
         name = f"{_cpu_name()} x{torch.get_num_threads()} threads"
         dtype = torch.float32 if dtype not in (torch.float32, torch.float64) else dtype  # CPU runs fp32 models
-    key = f"{name}|{dtype}|torch {torch.__version__}"
-    path = _cache_path()
-    try:
-        with open(path) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return {"device": name, "peak_flops": float(cached[key]), "source": "cached"}
-    peak = measure_matmul_flops(device, dtype)
-    cached[key] = peak
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(cached, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
-    return {"device": name, "peak_flops": peak, "source": "measured"}
+    return {"device": name, "peak_flops": _measured(str(device), dtype, torch.get_num_threads()), "source": "measured"}
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(device: str, dtype: torch.dtype, threads: int) -> float:
+    return measure_matmul_flops(torch.device(device), dtype)
 
 
 # ---- devices and per-step figures ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_gpu_check_cpu_mode_runs_every_section(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("OUT", None)
     proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu", "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=580, cwd=str(tmp_path))
