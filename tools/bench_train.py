@@ -8,6 +8,8 @@ Rows (each in fresh processes, 2 CPU threads in total):
   ours TP=1      PolicyTrainer.train_step, 1 process x 2 threads (Megatron schedule, DDP, distributed Adam;
                  "plain Adam": the non-distributed Megatron optimizer)
   ours TP=2      the same on 2 gloo processes x 1 thread (tensor + sequence parallel)
+  ..., unfused head   train.fused_head=false: statistics from materialised logits (the default fused head
+                 computes them from the output layer's input, response positions only)
   HF + PG loss   transformers Qwen3ForCausalLM, 1 process x 2 threads, torch AdamW, the same objective
                  (megatron_rl.ops / objectives on the unsharded logits) with gradient accumulation
   HF + CE        the same HF step with plain cross-entropy on the response tokens
@@ -15,6 +17,7 @@ Rows (each in fresh processes, 2 CPU threads in total):
 
   python tools/bench_train.py                 # vocab 8192, 3 timed steps after 1 warm-up
   python tools/bench_train.py --vocab 32000 --steps 5
+  python tools/bench_train.py --vocab 152064 --rows "ours TP=1"    # rows whose name starts with this
 Writes a markdown table to stdout and JSON to --out (default bench_results/bench_train.json).
 """
 
@@ -61,7 +64,7 @@ def _timed(fn, steps: int):
     return statistics.median(times)
 
 
-def _ours(path: str, tp: int, vocab: int, steps: int, dist_opt: bool = True):
+def _ours(path: str, tp: int, vocab: int, steps: int, dist_opt: bool = True, fused_head: bool = True):
     import torch.distributed as dist
 
     from megatron_rl import parallel
@@ -69,7 +72,8 @@ def _ours(path: str, tp: int, vocab: int, steps: int, dist_opt: bool = True):
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(tp=tp))
-    trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(micro_batch_size=MICRO), groups,
+    trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(micro_batch_size=MICRO, fused_head=fused_head),
+                            groups,
                             OptimConfig(lr=1e-5, use_distributed_optimizer=dist_opt))
     batch = _batch(vocab)
     train = _timed(lambda: trainer.train_step(batch), steps)
@@ -119,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported) after one warm-up")
+    ap.add_argument("--rows", default="", help="comma list: run only rows whose name starts with one of these")
     ap.add_argument("--out", default="bench_results/bench_train.json")
     args = ap.parse_args()
     tokens = BATCH * (PROMPT + RESPONSE)
@@ -132,12 +137,19 @@ def main() -> None:
                 _ours, 1, path, 1, args.vocab, args.steps, False, threads_per_rank=2, timeout_s=1800)),
             ("ours TP=2", "2 procs x 1 thread", lambda: run_distributed(_ours, 2, path, 2, args.vocab, args.steps,
                                                                          threads_per_rank=1, timeout_s=1800)),
+            ("ours TP=1, unfused head", "1 proc x 2 threads", lambda: run_distributed(
+                _ours, 1, path, 1, args.vocab, args.steps, True, False, threads_per_rank=2, timeout_s=1800)),
+            ("ours TP=2, unfused head", "2 procs x 1 thread", lambda: run_distributed(
+                _ours, 2, path, 2, args.vocab, args.steps, True, False, threads_per_rank=1, timeout_s=1800)),
             ("HF + PG loss", "1 proc x 2 threads", lambda: run_distributed(_hf, 1, path, args.vocab, args.steps, "pg",
                                                                             threads_per_rank=2, timeout_s=1800)),
             ("HF + CE", "1 proc x 2 threads", lambda: run_distributed(_hf, 1, path, args.vocab, args.steps, "ce",
                                                                        threads_per_rank=2, timeout_s=1800)),
         ]
+        wanted = [w.strip() for w in args.rows.split(",") if w.strip()]
         for name, procs, run in runs:
+            if wanted and not any(name.startswith(w) for w in wanted):
+                continue
             r = run()[0]
             rows.append({"name": name, "procs": procs, **r, "train_tokens_per_s": tokens / r["train_s"],
                          "fwd_tokens_per_s": tokens / r["fwd_s"]})

@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=(megatron-core==0.16.1)  # its own requirements (torch, numpy, packaging) are on the GPU image
 if [ "${1:-}" = "--fetch-wheels" ]; then
-  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
+  exclude=$(git rev-parse --git-path info/exclude)  # keep the wheels out of git (they travel as carried files)
+  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
   exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
