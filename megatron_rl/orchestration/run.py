@@ -43,6 +43,7 @@ class Run:
         self._owns_ray = False
         self._closers = []
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
+        self._profiling: Optional[int] = None  # the step a profiler capture runs for
 
     # ---- start-up / tear-down ---------------------------------------------------------------------------
     def __enter__(self) -> "Run":
@@ -175,7 +176,6 @@ class Run:
         self.devices = perf.run_devices(cfg)
         info = self.trainers.infos[0]
         self.peak_flops = info.get("peak_flops")
-        self._profiling: Optional[int] = None
         if self.peak_flops:
             logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
                         self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,

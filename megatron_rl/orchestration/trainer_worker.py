@@ -95,7 +95,7 @@ class TrainerWorker:
 
         info = dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                     dp=dist.get_world_size(groups.dp))
-        if self.rank == 0:  # the device's peak FLOP/s, for MFU (a table, or a matmul measured once and cached)
+        if self.rank == 0:  # the device's peak FLOP/s, for MFU (a table, or a matmul measured once here)
             from megatron_rl.perf import device_peak_flops
 
             info.update(device_peak_flops(spec.model.torch_dtype))
