@@ -28,6 +28,7 @@ setup(
         "psutil>=5.9",  # undeclared runtime need of megatron-core's dist-checkpoint save
         "einops>=0.7",
         "math-verify[antlr4_13_2]>=0.9.0",
+        "matplotlib>=3.7",  # `megatron-rl report` and tools/mismatch_report.py
     ],
     extras_require={
         # triton: its interpreter runs the fused head's GPU kernels on CPU (tests/unit/test_triton_head.py)

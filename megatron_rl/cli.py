@@ -42,6 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run an RL recipe: `megatron-rl train RECIPE [key=value ...] [--dry-run]`")
     train_cli.add_arguments(p)
     p.set_defaults(func=train_cli.cli_main)
+    from megatron_rl.orchestration import eval_cli
+
+    p = sub.add_parser("eval", help="pass@k and mean@k of a model over eval datasets with the recipe's reward: "
+                       "`megatron-rl eval RECIPE_OR_HF_DIR [key=value ...] [--model HF_DIR]`")
+    eval_cli.add_arguments(p)
+    p.set_defaults(func=eval_cli.cli_main)
+    from megatron_rl import export, report  # argparse only: torch / matplotlib load when they run
+
+    p = sub.add_parser("export", help="a trainer checkpoint (any TP/PP/EP) -> HF safetensors + config + tokenizer: "
+                       "`megatron-rl export CHECKPOINT_DIR OUT_DIR`")
+    export.add_arguments(p)
+    p.set_defaults(func=export.cli_main)
+    p = sub.add_parser("report", help="one HTML page with PNG plots of a run: `megatron-rl report RUN_DIR`")
+    report.add_arguments(p)
+    p.set_defaults(func=report.cli_main)
     return ap
 
 

@@ -21,6 +21,7 @@ from megatron_rl import config_io
 from megatron_rl.advantages import AdvantageConfig
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.diagnostics import DiagnosticsConfig
 from megatron_rl.launch.slurm import SlurmConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
@@ -77,7 +78,7 @@ class SGLangConfig:
     tp_size: int = 1  # GPUs per server
     mem_fraction_static: float = 0.8
     dtype: str = "auto"
-    sampling_backend: Optional[str] = None  # "pytorch" is needed for seeded (reproducible) sampling
+    sampling_backend: Optional[str] = None  # --sampling-backend (None: SGLang's choice)
     enable_memory_saver: bool = False
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
@@ -95,13 +96,18 @@ class RolloutConfig:
     dynamic_sampling:       drop groups whose rewards are all equal (no GRPO signal) and over-sample
                             up to ``max_oversample_rounds`` more rounds to refill the batch (DAPO).
     oversample_factor:      each refill round asks for ``ceil(missing * factor)`` more prompts.
-    logprob_mode:           ``raw`` (SGLang's default, full-vocabulary) or ``processed`` (renormalised over
-                            the top-k/top-p set: pair it with DVP in the objective), see rollout/protocol.py.
-    seeded:                 per-request sampling seeds derived from (seed, step, round, slot): rollouts are
-                            reproducible and a resumed run matches an uninterrupted one (SGLang needs
-                            ``sglang.sampling_backend: pytorch``).
-    weight_transport:       ``tensor`` (safetensors over HTTP; embedded servers), ``distributed`` (HTTP
-                            announce + torch.distributed broadcast; SGLang) or ``auto``.
+    logprob_mode:           ``raw`` (SGLang's ``output_token_logprobs``, full-vocabulary) or ``processed``
+                            (renormalised over the top-k/top-p set, SGLang's ``output_token_sampling_logprobs``:
+                            pair it with DVP in the objective, and a top-k <= 4096), see rollout/protocol.py.
+    seeded:                 per-sample sampling seeds derived from (seed, step, round, slot, sample): rollouts are
+                            reproducible and a resumed run matches an uninterrupted one. Needs
+                            ``deterministic_inference``.
+    deterministic_inference: engines honour ``sampling_seed`` (SGLang ``--enable-deterministic-inference``, which
+                            launched engines get; ``remote`` servers are checked at start-up). None: as ``seeded``.
+                            SGLang's seeded sampler refuses ``min_p > 0``.
+    weight_transport:       ``tensor`` (safetensors over HTTP; embedded servers only), ``distributed`` (HTTP
+                            announce + torch.distributed broadcast; SGLang) or ``auto`` (``tensor`` for embedded
+                            engines, else ``distributed``).
     placement:              ``colocated`` (engines share the trainers' placement-group bundles and release
                             their memory while the trainer runs) or ``disaggregated`` (own bundles).
     off_policy:             0: synchronous; 1: the next step's rollout overlaps this step's training (one
@@ -121,6 +127,7 @@ class RolloutConfig:
     oversample_factor: float = 1.0
     logprob_mode: Literal["raw", "processed"] = "raw"
     seeded: bool = True
+    deterministic_inference: Optional[bool] = None
     balancer: Literal["round_robin", "least_outstanding"] = "least_outstanding"
     max_concurrency: int = 64  # HTTP requests in flight from the driver
     request_timeout_s: float = 600.0
@@ -141,12 +148,14 @@ class RolloutConfig:
                              f"oversample_factor={self.oversample_factor} >= 1")
         if self.off_policy not in (0, 1):
             raise ValueError(f"rollout.off_policy={self.off_policy}: expected 0 (synchronous) or 1 (one step)")
+        if self.deterministic_inference is None:
+            object.__setattr__(self, "deterministic_inference", self.seeded)
 
     @property
     def transport(self) -> str:
         if self.weight_transport != "auto":
             return self.weight_transport
-        return "distributed" if self.engine == "sglang" else "tensor"
+        return "tensor" if self.engine == "embedded" else "distributed"
 
 
 @dataclass(frozen=True)
@@ -165,14 +174,44 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Evaluation on held-out prompts through the rollout engines (after the weight sync)."""
+    """Evaluation on held-out prompts through the rollout engines (after the weight sync), scored by the
+    run's reward: ``pass@j`` (unbiased estimator, j = 1, 2, 4, ..., k) and ``mean@n`` per dataset.
+
+    datasets:       name -> prompts; metrics ``eval/<name>/...`` per dataset (with more than one) and
+                    ``eval/...`` over all of them (prompt-weighted). ``data``: one unnamed dataset (an alias).
+    k:              pass@k with up to k; ``n_samples`` (>= k, default k) samples per prompt.
+    greedy:         None: greedy decoding when one sample per prompt, else the rollout's sampling.
+    pass_threshold: a sample passes when its reward is >= this.
+    """
 
     data: Optional[DataConfig] = None
+    datasets: Dict[str, DataConfig] = field(default_factory=dict)
     interval: int = 0  # steps between evaluations (0: never); also before the first and after the last step
-    max_prompts: int = 256
-    greedy: bool = True
-    n_samples: int = 1
+    max_prompts: int = 256  # per dataset
+    k: int = 1
+    n_samples: Optional[int] = None
+    greedy: Optional[bool] = None
+    pass_threshold: float = 1.0
     max_new_tokens: Optional[int] = None  # None: rollout.sampling.max_new_tokens
+
+    def __post_init__(self) -> None:
+        if self.data is not None and self.datasets:
+            raise ValueError("eval.data and eval.datasets are both set: eval.data is the one-dataset alias; name it "
+                             "in eval.datasets instead")
+        if self.k < 1 or self.samples_per_prompt < self.k:
+            raise ValueError(f"eval.k={self.k} must be >= 1 and eval.n_samples={self.n_samples} >= k (the unbiased "
+                             "pass@k estimator needs n >= k samples per prompt)")
+        if self.greedy and self.samples_per_prompt > 1:
+            raise ValueError(f"eval.greedy=true with {self.samples_per_prompt} samples per prompt (eval.k / "
+                             "eval.n_samples): greedy samples are all the same; set eval.greedy=null")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.k if self.n_samples is None else self.n_samples
+
+    @property
+    def named_datasets(self) -> Dict[str, DataConfig]:
+        return {"eval": self.data} if self.data is not None else dict(self.datasets)
 
 
 @dataclass(frozen=True)
@@ -247,6 +286,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # torch-profiler traces of chosen steps
     slurm: Optional[SlurmConfig] = None  # read by `megatron-rl slurm`; ignored by the run itself
 

@@ -78,6 +78,9 @@ def _batch(cfg: RunConfig, out: List[str]) -> None:
                    f"rollout.n_samples_per_prompt={r.n_samples_per_prompt} is; use >= 2 samples per prompt")
 
 
+PROCESSED_MAX_SUPPORT = 4096  # SGLang 0.5.23's default --sampling-mask-max-tokens
+
+
 def _rollout(cfg: RunConfig, out: List[str]) -> None:
     r, p = cfg.rollout, cfg.parallel
     if r.engine == "remote" and not r.urls:
@@ -101,15 +104,29 @@ def _rollout(cfg: RunConfig, out: List[str]) -> None:
         if r.placement == "disaggregated" and cfg.cluster.gpus_per_engine != r.sglang.tp_size:
             out.append(f"cluster.gpus_per_engine={cfg.cluster.gpus_per_engine} but each SGLang server uses "
                        f"rollout.sglang.tp_size={r.sglang.tp_size} GPUs; make them equal")
-        if r.seeded and r.sglang.sampling_backend != "pytorch":
-            out.append(f"rollout.seeded=true needs SGLang's pytorch sampler (its flashinfer sampler refuses seeds), but "
-                       f"rollout.sglang.sampling_backend={r.sglang.sampling_backend!r}; set it to 'pytorch' or "
-                       "rollout.seeded=false")
+    if r.engine in ("sglang", "remote") and r.weight_transport == "tensor":
+        out.append(f"rollout.weight_transport='tensor' sends the embedded server's safetensors buckets, which SGLang "
+                   f"refuses (engine={r.engine!r}); use 'distributed' (or 'auto')")
+    if r.seeded and not r.deterministic_inference:
+        out.append("rollout.seeded=true needs engines that honour sampling_seed, which SGLang does only with "
+                   "--enable-deterministic-inference, but rollout.deterministic_inference=false; set it to true (or "
+                   "leave it unset) or set rollout.seeded=false")
+    if r.deterministic_inference and r.sampling.min_p > 0:
+        out.append(f"rollout.sampling.min_p={r.sampling.min_p} with deterministic inference (rollout.seeded / "
+                   "rollout.deterministic_inference): SGLang's seeded sampler asserts on min_p > 0 "
+                   "(srt/layers/sampler.py); set min_p=0 (top_k / top_p still filter) or rollout.seeded=false and "
+                   "rollout.deterministic_inference=false")
+    if r.logprob_mode == "processed" and r.sampling.filtered and not 1 <= r.sampling.top_k <= PROCESSED_MAX_SUPPORT:
+        out.append(f"rollout.logprob_mode='processed' reads SGLang's output_token_sampling_logprobs, and SGLang aborts "
+                   f"every request whose sampling support exceeds --sampling-mask-max-tokens ({PROCESSED_MAX_SUPPORT}); "
+                   f"rollout.sampling.top_k={r.sampling.top_k} does not bound it: set top_k to at most "
+                   f"{PROCESSED_MAX_SUPPORT} (e.g. 1024)")
     ws = r.weight_sync
-    if r.engine == "embedded" and r.embedded_dtype == "bfloat16" and ws.check and ws.check_tolerance < 0.1:
+    if r.engine == "embedded" and r.embedded_dtype == "bfloat16" and ws.check and ws.check_tolerance is not None \
+            and ws.check_tolerance < 0.1:
         out.append(f"rollout.embedded_dtype='bfloat16' engines differ from the fp32 trainer by ~0.02-0.08 in probe "
-                   f"log-probs, above rollout.weight_sync.check_tolerance={ws.check_tolerance:g}; set it to 0.25 (MoE: more, a "
-                   "probe token whose experts flip in bf16 can differ by ~1)")
+                   f"log-probs, above rollout.weight_sync.check_tolerance={ws.check_tolerance:g}; set it to 0.25 or leave "
+                   "it unset (0.25 for bf16 engines)")
     t_roll, t_train = r.sampling.temperature, cfg.train.temperature
     if t_roll != t_train:
         out.append(f"rollout.sampling.temperature={t_roll} and train.temperature={t_train} differ: the trainer must "
@@ -161,11 +178,11 @@ def _warmup(cfg: RunConfig, out: List[str]) -> None:
 
 def _eval(cfg: RunConfig, out: List[str]) -> None:
     e = cfg.eval
-    if e.interval < 0 or e.max_prompts < 1 or e.n_samples < 1:
-        out.append(f"eval.interval={e.interval} must be >= 0, eval.max_prompts={e.max_prompts} and eval.n_samples="
-                   f"{e.n_samples} >= 1")
-    if e.interval > 0 and e.data is None:
-        out.append(f"eval.interval={e.interval} but eval.data is not set; give eval.data.path or set eval.interval=0")
+    if e.interval < 0 or e.max_prompts < 1:
+        out.append(f"eval.interval={e.interval} must be >= 0 and eval.max_prompts={e.max_prompts} >= 1")
+    if e.interval > 0 and not e.named_datasets:
+        out.append(f"eval.interval={e.interval} but eval.data is not set; give eval.data.path (or eval.datasets) or "
+                   "set eval.interval=0")
     if cfg.checkpoint.interval < 0:
         out.append(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: only at the end)")
     if cfg.stop_after_steps is not None and cfg.stop_after_steps < 1:

@@ -129,6 +129,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     if origin in (dict, Dict) or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}={value!r}: expected a mapping")
+        if len(args) == 2 and dataclasses.is_dataclass(args[1]):  # e.g. named sections: build each one
+            return {k: _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
         return dict(value)
     if tp is bool:
         if not isinstance(value, bool):

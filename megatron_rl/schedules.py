@@ -136,6 +136,21 @@ class LRSchedule:
         self.last_lr = lr
         return lr
 
+    def metrics(self) -> Dict[str, float]:
+        """The length-surge state for the step's metrics (none for other kinds): ``schedule/decaying`` (1 in
+        the decay phase), ``schedule/surge_threshold`` (the mean length that counts as a surge now) and
+        ``schedule/base_length``, once the baseline window is over."""
+        cfg, st = self.cfg, self.state
+        if cfg.kind != "length_surge":
+            return {}
+        out = {"schedule/decaying": float(st.phase == "decay")}
+        if st.base_length is not None:
+            out["schedule/base_length"] = st.base_length
+            ref = st.base_length if st.surge_step is None else st.ref_length
+            if st.surge_step is None or cfg.re_trigger:
+                out["schedule/surge_threshold"] = cfg.surge_factor * ref
+        return out
+
     def state_dict(self) -> Dict[str, Any]:
         return {"config": asdict(self.cfg), "state": asdict(self.state), "last_lr": self.last_lr}
 

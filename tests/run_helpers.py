@@ -44,3 +44,12 @@ def run_cli(args: List[str], timeout: float = 300.0) -> subprocess.CompletedProc
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n" \
                                  f"{proc.stderr[-8000:]}"
+
+
+def nontrivial(path) -> bool:
+    """A real plot: over 10 KB, not one flat colour, and a few percent of its pixels inked (not near-white)."""
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(str(path))[..., :3]
+    inked = (img.mean(-1) < 0.9).mean()
+    return Path(path).stat().st_size > 10_000 and img.std() > 0.05 and inked > 0.01

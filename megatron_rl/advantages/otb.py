@@ -32,7 +32,8 @@ def logit_gradient_proxy(logprobs: Tensor, sum_pi_squared: Tensor, mask: Tensor)
 
 def position_baseline(G: Tensor, W: Tensor, mask: Tensor, group_ids, eps: float = 1e-8,
                       handle_zero_tail: bool = True) -> Tensor:
-    """B*_t per (group, position) broadcast back to ``[B, T]``; 0 for groups of size 1.
+    """B*_t per (group, position) broadcast back to ``[B, T]``; 0 for groups with one non-empty member
+    (empty members — no valid token — do not count: a response whose only group-mate is empty gets A = G).
 
     ``handle_zero_tail``: when exactly one member of a group is the longest (strictly longer than the
     second-longest), its positions beyond the second-longest length get B* = 0 — otherwise the
@@ -45,7 +46,8 @@ def position_baseline(G: Tensor, W: Tensor, mask: Tensor, group_ids, eps: float 
     num = torch.zeros(n_groups, T, dtype=G.dtype, device=G.device).index_add_(0, g, masked_where(mask, G * W))
     den = torch.zeros_like(num).index_add_(0, g, masked_where(mask, W))
     base = (num / (den + eps))[g]
-    size = torch.zeros(n_groups, dtype=G.dtype, device=G.device).index_add_(0, g, torch.ones_like(G[:, 0]))[g]
+    nonempty = mask.any(-1).to(G.dtype)
+    size = torch.zeros(n_groups, dtype=G.dtype, device=G.device).index_add_(0, g, nonempty)[g]
     base = torch.where(size[:, None] > 1, base, torch.zeros_like(base))
     if handle_zero_tail:
         pos = torch.arange(T, device=G.device)

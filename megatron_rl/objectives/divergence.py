@@ -39,8 +39,9 @@ def k3(log_ratio: Tensor) -> Tensor:
 class SeqDivergenceStats:
     """Per-sequence statistics ``[B]`` of one log-ratio, reduced over context-parallel ranks.
 
-    ``sum_log_ratio`` is Σ_t λ_t (log of the sequence ratio ρ(y)); ``count`` the valid tokens;
-    ``exact_*`` are filled only when a per-token exact divergence was given.
+    ``sum_log_ratio`` is Σ_t λ_t of the *unclamped* λ (the log of the sequence ratio ρ(y); clamped only
+    where it is exponentiated, math_spec §e.2); ``count`` the valid tokens; ``exact_*`` are filled only
+    when a per-token exact divergence was given.
     """
 
     sum_log_ratio: Tensor
@@ -68,9 +69,12 @@ class SeqDivergenceStats:
 def seq_divergence_stats(log_ratio: Tensor, valid: Tensor, cp_group: ProcessGroup = None,
                          exact: Optional[Tensor] = None) -> SeqDivergenceStats:
     """All per-sequence sums (one fused AR-SUM) and maxima (one fused AR-MAX) the rollout correction,
-    TRM and the mismatch metrics need. ``log_ratio`` must already be clamped."""
-    lr = log_ratio.detach()
-    per_tok = [lr, k2(lr), k3(lr)] + ([exact.detach().to(lr.dtype)] if exact is not None else [])
+    TRM and the mismatch metrics need. ``log_ratio`` is the raw λ: its sequence sum is taken as is (a
+    clamp per token would turn λ = (25, −24) into a sum of 0 instead of 1), k2 and k3 per token of the
+    clamped λ."""
+    raw = log_ratio.detach()
+    lr = clamp_log_ratio(raw)
+    per_tok = [raw, k2(lr), k3(lr)] + ([exact.detach().to(lr.dtype)] if exact is not None else [])
     sums, count = seq_sum_count(torch.stack(per_tok), valid, cp_group)
     maxes = seq_max(torch.stack(per_tok[1:]), valid, cp_group)
     return SeqDivergenceStats(

@@ -1,6 +1,7 @@
 """KL penalties to a reference policy (in the reward or in the loss) and the entropy bonus.
 
-Samples come from the policy (y_t ~ π), so with r_t = log π(y_t) − log π_ref(y_t) (clamped ±20):
+Samples come from the policy (y_t ~ π), so with r_t = log π(y_t) − log π_ref(y_t) (clamped to ±20 only
+where it is exponentiated, §1.4: k1 and k2 keep their gradient at any |r|):
 
 =========  ===========================================  ======================================
 estimator  per-token value                              note
@@ -79,11 +80,12 @@ def kl_per_token(logprobs: Tensor, ref_logprobs: Optional[Tensor], estimator: st
         return exact_kl
     if ref_logprobs is None:
         raise ValueError(f"KL estimator {estimator!r} needs ref_logprobs (log π_ref of the sampled tokens)")
-    r = clamp_log_ratio(logprobs - ref_logprobs.detach())
+    r = logprobs - ref_logprobs.detach()
     if estimator == "k1":
         return r
     if estimator == "k2":
         return 0.5 * r.square()
+    r = clamp_log_ratio(r)  # before exponentiating only (verl clamps k3's whole log-ratio too)
     k3 = torch.expm1(-r) + r
     return k3.clamp(-10.0, 10.0) if estimator == "low_var" else k3
 

@@ -8,7 +8,7 @@ decoupled mode and μ (the rollout policy) in bypass mode; :mod:`megatron_rl.obj
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -34,15 +34,21 @@ class PolicyLossConfig:
         clip_eps_low / clip_eps_high: ratio clipped to [1−ε_low, 1+ε_high] ("clip-higher" when
             ε_high > ε_low). GSPO uses sequence-level ε (typically 3e-4 / 4e-4).
         dual_clip_c: for A < 0 the loss is capped at c·|A| (dual clip, c > 1); ``None`` disables.
+            ``"auto"`` (default) resolves to 3.0 for ``ppo_clip`` (verl) and to ``None`` for ``gspo``
+            (GSPO's sequence-level clip has no dual clip; set a number to ask for one).
     """
 
     loss: str = "ppo_clip"
     mode: str = "decoupled"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    dual_clip_c: Optional[float] = 3.0
+    dual_clip_c: Union[float, Literal["auto"], None] = "auto"
 
     def __post_init__(self) -> None:
+        if self.dual_clip_c == "auto":
+            object.__setattr__(self, "dual_clip_c", 3.0 if self.loss == "ppo_clip" else None)
+        elif isinstance(self.dual_clip_c, str):
+            raise ValueError(f"PolicyLossConfig.dual_clip_c={self.dual_clip_c!r}: expected a number > 1, None or 'auto'")
         if self.loss not in LOSSES:
             raise ValueError(f"PolicyLossConfig.loss={self.loss!r} is not one of {LOSSES}")
         if self.mode not in MODES:

@@ -1,7 +1,8 @@
 """Rollout correction: importance weights and rejection masks for the μ → π_anchor drift (§e, §f).
 
 Inputs are per-token log-ratios λ_t = log π_a(y_t) − log μ(y_t) (π_a = π_old in decoupled mode,
-sg(π_θ) in bypass mode), clamped to ±20. Outputs are **detached**: a weight ``w`` ``[B, T]`` that
+sg(π_θ) in bypass mode), clamped to ±20 per token — and for sequence quantities their *sum* is clamped
+(only before exponentiating), never summed from per-token clamped values (§e.2). Outputs are **detached**: a weight ``w`` ``[B, T]`` that
 multiplies the policy-gradient term, and keep masks (token ``[B, T]``, sequence ``[B]``).
 
 **Bounds are defined directly on ρ = π_a/μ** (token ρ_t, sequence ρ(y) = Π_t ρ_t, or geometric
@@ -204,7 +205,8 @@ def _rule_keep(rule: RejectionRule, log_ratio: Tensor, stats: SeqDivergenceStats
 @torch.no_grad()
 def compute_correction(log_ratio: Tensor, valid: Tensor, stats: SeqDivergenceStats,
                        cfg: RolloutCorrectionConfig) -> Correction:
-    """IS weights and rejection masks from clamped λ ``[B, T]`` and its CP-reduced sequence stats."""
+    """IS weights and rejection masks from λ ``[B, T]`` (clamped here, per token) and its CP-reduced
+    sequence stats (sums of the unclamped λ: a sequence weight is exp(clamp(Σλ)), not exp(Σ clamp(λ)), §e.2)."""
     lr = clamp_log_ratio(log_ratio.detach())
     B = lr.shape[0]
     token_keep = torch.ones_like(valid)

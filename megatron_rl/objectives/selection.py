@@ -63,9 +63,10 @@ def _select(x: LossInputs, valid: Tensor, n_bad: Tensor, cfg: ObjectiveConfig, g
         # Bypass: correction statistics of the *current* policy vs μ, computed under no_grad (§e.1).
         anchor, corr_logp = x.rollout_logprobs.detach(), x.logprobs.detach()
 
-    log_ratio = None
+    log_ratio = raw_log_ratio = None
     if x.rollout_logprobs is not None:
-        log_ratio = clamp_log_ratio(corr_logp - x.rollout_logprobs.detach())
+        raw_log_ratio = corr_logp - x.rollout_logprobs.detach()
+        log_ratio = clamp_log_ratio(raw_log_ratio)
     if cfg.correction.active and log_ratio is None:
         raise ValueError("rollout correction is configured but LossInputs.rollout_logprobs is missing")
     if cfg.trm.enabled and log_ratio is None and x.rollout_kl is None:
@@ -73,8 +74,8 @@ def _select(x: LossInputs, valid: Tensor, n_bad: Tensor, cfg: ObjectiveConfig, g
 
     stats = None
     if log_ratio is not None or x.rollout_kl is not None:
-        lr = log_ratio if log_ratio is not None else torch.zeros_like(x.logprobs.detach())
-        stats = seq_divergence_stats(lr, valid, groups.cp, exact=x.rollout_kl)
+        lr = raw_log_ratio if raw_log_ratio is not None else torch.zeros_like(x.logprobs.detach())
+        stats = seq_divergence_stats(lr, valid, groups.cp, exact=x.rollout_kl)  # sums the unclamped λ (§e.2)
 
     keep = valid.clone()
     dvp_keep = out_of_set_keep(x.target_kept, valid, cfg.dvp)

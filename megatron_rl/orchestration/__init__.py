@@ -7,7 +7,8 @@
   trainer_group.py   TrainerGroup: one call -> every rank, data-parallel shards in, one result out
   rollout.py         rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics
-  evaluate.py        held-out evaluation through the engines
+  evaluate.py        held-out evaluation through the engines: pass@k (unbiased) and mean@k per dataset
+  eval_cli.py        ``megatron-rl eval RECIPE_OR_HF_DIR``: the same evaluation, stand-alone
   run.py             Run: a run's resources (start-up, resume, tear-down) and its phases
   driver.py          train(cfg): the loop, one named call per phase
   cli.py             ``megatron-rl train RECIPE [key=value ...] [--dry-run]``

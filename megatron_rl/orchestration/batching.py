@@ -2,7 +2,8 @@
 
 * :func:`train_batch`: samples -> :class:`~megatron_rl.training.TrainBatch` (prompt + response ids,
   rollout log-probs, loss mask — aborted samples masked out — group ids, MoE routes for replay).
-* :func:`compute_step_advantages`: the sequence reward on each response's last loss token, an optional
+* :func:`compute_step_advantages`: the sequence reward on each response's last loss token (per-token
+  rewards on their tokens), an optional
   KL-in-reward penalty, the configured estimator (GRPO, RLOO, OTB...), and — when the step's objective
   has the dense KL with its exact sparse part — the future-KL cost-to-go. The imitation warm-up trains
   on the dense KL alone: its reward advantages are zero.
@@ -34,26 +35,35 @@ def train_batch(groups: Sequence[Group], routing: Optional[RoutingLayout] = None
     return batch if routing is None else attach_routes(batch, samples, routing)
 
 
-def token_rewards(mask: torch.Tensor, rewards: Sequence[float]) -> torch.Tensor:
-    """``[B, R]``: each sequence's reward on its last loss token (zero elsewhere)."""
+def token_rewards(mask: torch.Tensor, rewards: Sequence[float],
+                  per_token: Optional[Sequence[Optional[Sequence[float]]]] = None) -> torch.Tensor:
+    """``[B, R]``: each sequence's reward on its last loss token (zero elsewhere) — or, for a sequence with
+    per-token (process) rewards, reward j on response token j (zero outside the loss mask)."""
     B, R = mask.shape
     out = torch.zeros(B, R, dtype=torch.float32)
     positions = torch.arange(R).expand(B, R)
     last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
     rows = torch.nonzero(last >= 0).squeeze(1)
     out[rows, last[rows]] = torch.tensor(rewards, dtype=torch.float32)[rows]
-    return out
+    for i, values in enumerate(per_token or ()):
+        if values is not None:
+            out[i] = 0.0
+            out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)[:R]
+    return torch.where(mask, out, torch.zeros(()))
 
 
 def compute_step_advantages(cfg: AdvantageConfig, objective: ObjectiveConfig, batch: TrainBatch,
                             rewards: Sequence[float], fwd: Optional[ForwardResult], *, imitation_only: bool,
-                            ref_logprobs: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Per-token advantages ``[B, R]`` for the step, and their metrics."""
+                            ref_logprobs: Optional[torch.Tensor] = None,
+                            per_token: Optional[Sequence[Optional[Sequence[float]]]] = None,
+                            ) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Per-token advantages ``[B, R]`` for the step, and their metrics. ``per_token``: per sequence, its
+    per-token rewards (or None: the sequence reward sits on the last loss token)."""
     mask = batch.response_mask
     if imitation_only:
         adv = torch.zeros(mask.shape, dtype=torch.float32)
     else:
-        r = token_rewards(mask, rewards)
+        r = token_rewards(mask, rewards, per_token)
         kl = objective.kl_penalty
         if kl.coef > 0 and kl.placement == "reward":
             exact = fwd.ref_kl if fwd is not None else None

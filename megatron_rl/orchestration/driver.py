@@ -47,6 +47,7 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
                 tb, fwd, m_logprobs = run.logprobs(train_batch(batch.groups, run.routing), step)
                 tb, m_adv = run.advantages(tb, fwd, batch, step)
                 metrics.update(m_logprobs, **m_adv, **run.train(tb, step))
+                metrics.update(run.gain(tb, batch, step))  # diagnostics.gain: a forward under the new weights
             pending = run.wait(next_rollout)
             run.resume_engines()
             if not batch.skipped:

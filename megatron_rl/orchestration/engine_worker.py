@@ -26,7 +26,7 @@ class EngineSpec:
     kind: str  # "embedded" | "sglang"
     model_path: str
     index: int = 0
-    logprob_mode: str = "raw"
+    deterministic: bool = True  # honour sampling_seed (SGLang: --enable-deterministic-inference)
     seed: int = 0
     host: str = "127.0.0.1"
     threads: int = 1
@@ -74,9 +74,10 @@ class EngineWorker:
         spec = self.spec
         device = "cuda" if torch.cuda.is_available() else "cpu"
         engine = EmbeddedEngine.from_pretrained(
-            spec.model_path, EmbeddedEngineConfig(logprob_mode=spec.logprob_mode, seed=spec.seed, max_batch_rows=256),
+            spec.model_path, EmbeddedEngineConfig(seed=spec.seed, max_batch_rows=256,
+                                                  seeds="deterministic" if spec.deterministic else "ignored"),
             dtype=getattr(torch, spec.dtype), device=device)
-        self.server = EmbeddedServer(engine, host=spec.host, port=0).start()
+        self.server = EmbeddedServer(engine, host=spec.host, port=0, model_path=spec.model_path).start()
         self._url = self.server.url
         return self._advertised(self.server.url)
 
@@ -88,6 +89,7 @@ class EngineWorker:
             model_path=spec.model_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction_static,
             host=spec.host, dtype=s.dtype, random_seed=spec.seed, enable_return_routed_experts=spec.routed_experts,
             enable_memory_saver=s.enable_memory_saver, sampling_backend=s.sampling_backend,
+            enable_deterministic_inference=spec.deterministic,
             extra_args=tuple(s.extra_args), env=dict(s.env), health_timeout_s=s.health_timeout_s,
             log_path=os.path.join(spec.log_dir, f"sglang_{spec.index}.log"))
         self.process = launch_sglang_server(cfg)

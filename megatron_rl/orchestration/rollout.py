@@ -19,13 +19,14 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.data.rewards.runner import FAILURE_KINDS, RewardRunner
+from megatron_rl.diagnostics import reward_entropy_bits
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import progress
 from megatron_rl.rollout.protocol import GenerateRequest, RolloutEngine, Sample, SamplingParams
@@ -33,17 +34,26 @@ from megatron_rl.rollout.protocol import GenerateRequest, RolloutEngine, Sample,
 
 @dataclass
 class Group:
-    """The ``n`` samples of one prompt, their decoded text and rewards."""
+    """The ``n`` samples of one prompt, their decoded text and rewards (``token_rewards``: per sample, the
+    per-token rewards of a reward function that returned one per response token, else None; ``rewards``
+    then holds their sums)."""
 
     record: PromptRecord
     samples: List[Sample]
     texts: List[str]
     rewards: List[float]
     failed: List[bool]
+    token_rewards: Optional[List[Optional[Tuple[float, ...]]]] = None
+
+    @property
+    def outcomes(self) -> List[Any]:
+        """Each sample's whole reward: its per-token sequence if it has one, else the scalar."""
+        per_token = self.token_rewards or [None] * len(self.rewards)
+        return [r if t is None else t for r, t in zip(self.rewards, per_token)]
 
     @property
     def all_equal(self) -> bool:
-        return max(self.rewards) == min(self.rewards)
+        return len(set(self.outcomes)) == 1
 
 
 @dataclass
@@ -112,13 +122,21 @@ class RolloutPhase:
         texts = [[self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in group] for group in samples]
         flat_texts = [t for group in texts for t in group]
         labels = [r.label for r, group in zip(records, samples) for _ in group]
-        infos = [dict(r.metadata, prompt=r.prompt_text, index=r.index) for r, group in zip(records, samples)
-                 for _ in group]
+        infos = [dict(r.metadata, prompt=r.prompt_text, index=r.index, response_ids=list(s.response_ids))
+                 for r, group in zip(records, samples) for s in group]
         result = self.rewards.compute_rewards(flat_texts, labels, infos)
+        per_token = result.token_rewards
+        if per_token is not None:
+            for info, t in zip(infos, per_token):
+                if t is not None and len(t) != len(info["response_ids"]):
+                    raise ValueError(f"the reward function returned {len(t)} per-token rewards for a response of "
+                                     f"{len(info['response_ids'])} tokens (sample_info['response_ids']); return one "
+                                     "per response token, or a float")
         groups, k = [], 0
         for r, group, text in zip(records, samples, texts):
             n = len(group)
-            groups.append(Group(r, group, text, result.rewards[k:k + n], result.failed[k:k + n]))
+            groups.append(Group(r, group, text, result.rewards[k:k + n], result.failed[k:k + n],
+                                None if per_token is None else per_token[k:k + n]))
             k += n
         return groups, result.stats
 
@@ -190,6 +208,7 @@ def _metrics(generated: List[Group], kept: List[Group], rounds: int, times: Dict
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         "rollout/aborted": float(sum(s.finish_reason == "abort" for s in samples)),
         "rollout/response_tokens": float(sum(lengths)),
+        "reward/entropy_bits": reward_entropy_bits([g.outcomes for g in generated]),  # §i: bits per episode
         "rollout/prompt_tokens": float(sum(len(g.record.prompt_ids) * len(g.samples) for g in generated)),
         "rollout/seq_len_sq_sum": float(sum((len(g.record.prompt_ids) + len(s.response_ids)) ** 2
                                             for g in generated for s in g.samples)),  # attention FLOPs (MFU)

@@ -94,7 +94,7 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.sampler = PromptSampler.from_config(self.dataset)
-        self.eval_dataset = PromptDataset(cfg.eval.data, self.tokenizer) if cfg.eval.data is not None else None
+        self.eval_datasets = {name: PromptDataset(d, self.tokenizer) for name, d in cfg.eval.named_datasets.items()}
         reward_cfg = cfg.reward
         if not cfg.logging.progress:  # the runner's own bar follows the run's switch
             reward_cfg = dataclasses.replace(reward_cfg, progress_min_batch=2**62)
@@ -111,13 +111,17 @@ class Run:
         ref_lp = None
         if kl.coef > 0 and kl.estimator != "exact":  # sample-based KL needs log pi_ref of the sampled tokens
             ref_lp = cfg.train.reference_model or cfg.model
+        # with routing replay, the post-sync probe replays each engine's routing of the probe too
+        weight_sync = dataclasses.replace(cfg.rollout.weight_sync, replay_routing=cfg.train.routing_replay)
+        if r.engine == "embedded" and weight_sync.engine_dtype is None:  # send what the engine holds
+            weight_sync = dataclasses.replace(weight_sync, engine_dtype=r.embedded_dtype)
         trainer = TrainerSpec(model=cfg.model, train=cfg.train, optim=cfg.optim, layout=cfg.parallel.layout,
-                              weight_sync=cfg.rollout.weight_sync, seed=cfg.model.seed,
+                              weight_sync=weight_sync, seed=cfg.model.seed,
                               threads=cfg.cluster.threads_per_worker, backend=cfg.cluster.backend,
                               ref_logprobs_model=ref_lp)
         engine = None
         if cfg.rollout.engine != "remote":
-            engine = EngineSpec(kind=r.engine, model_path=cfg.model.hf_path, logprob_mode=r.logprob_mode,
+            engine = EngineSpec(kind=r.engine, model_path=cfg.model.hf_path, deterministic=r.deterministic_inference,
                                 seed=cfg.seed, host=r.host,
                                 threads=cfg.cluster.threads_per_worker, routed_experts=cfg.train.routing_replay,
                                 dtype=r.embedded_dtype, log_dir=cfg.output_dir, sglang=r.sglang)
@@ -145,18 +149,20 @@ class Run:
         urls = ray.get(url_refs) if url_refs else list(r.urls)
         logger.info("rollout servers: %s", urls)
         self.routing = None  # routing replay: the trainer's MoE layout, to decode and check engine routes
+        layout = None
         if cfg.train.routing_replay:
             from megatron_rl.models.build import load_arch
             from megatron_rl.routing import RoutingLayout
+            from megatron_rl.routing.align import expert_layout
 
-            self.routing = RoutingLayout.from_arch(load_arch(cfg.model.hf_path))
-        shape = None if self.routing is None else (self.routing.num_moe_layers, self.routing.topk)
-        clients = [SGLangClient(u, timeout_s=r.request_timeout_s, routing_shape=shape, logprob_mode=r.logprob_mode)
+            arch = load_arch(cfg.model.hf_path)
+            self.routing = RoutingLayout.from_arch(arch)
+            layout = expert_layout(arch)
+        clients = [SGLangClient(u, timeout_s=r.request_timeout_s, expert_layout=layout, logprob_mode=r.logprob_mode)
                    for u in urls]
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)
-        self.trainers.connect_engines(urls, r.transport, r.balancer,
-                                      r.sglang.tp_size if r.engine == "sglang" else 1, r.request_timeout_s)
+        self.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s)
         unit = self.trainers.dp * cfg.train.micro_batch_size
         self.rollouts = RolloutPhase(r, self.engine, self.tokenizer, self.sampler, self.rewards, seed=cfg.seed,
                                      batch_unit=unit, progress_bars=cfg.logging.progress,
@@ -164,8 +170,8 @@ class Run:
         self._closers.append(self.rollouts.close)
         from megatron_rl.orchestration.evaluate import Evaluator
 
-        self.evaluator = (Evaluator(cfg.eval, self.eval_dataset, self.rollouts, cfg.seed)
-                          if self.eval_dataset is not None else None)
+        self.evaluator = (Evaluator(cfg.eval, self.eval_datasets, self.rollouts, cfg.seed)
+                          if self.eval_datasets else None)
 
     def _start_perf(self) -> None:
         """What MFU needs: the model's FLOPs per token, the devices, the device peak (trainer rank 0's)."""
@@ -289,15 +295,16 @@ class Run:
     def _needs_forward(self, objective: ObjectiveConfig) -> bool:
         cfg = self.cfg
         kl = objective.kl_penalty
-        return (objective.policy.mode == "decoupled" or cfg.advantage.estimator == "otb"
+        return (objective.policy.mode == "decoupled" or cfg.advantage.estimator == "otb" or cfg.diagnostics.gain
                 or objective.dense_kl.beta > 0 or (kl.coef > 0 and kl.placement == "reward"))
 
     def advantages(self, tb, fwd, batch: RolloutBatch, step: int):
         with self.timer.phase("advantages"):
             rewards = [x for g in batch.groups for x in g.rewards]
+            per_token = [t for g in batch.groups for t in (g.token_rewards or [None] * len(g.rewards))]
             adv, metrics = batching.compute_step_advantages(
                 self.cfg.advantage, self.cfg.objective_at(step), tb, rewards, fwd,
-                imitation_only=self.is_warmup(step), ref_logprobs=tb.ref_logprobs)
+                imitation_only=self.is_warmup(step), ref_logprobs=tb.ref_logprobs, per_token=per_token)
         return tb.replace(advantages=adv), metrics
 
     def train(self, tb, step: int) -> Dict[str, float]:
@@ -311,6 +318,20 @@ class Run:
         out["perf/train_flops"] = (3 + ref) * self._batch_flops(tb)  # forward + backward (+ the reference's)
         out.update(result.metrics)
         return out
+
+    def gain(self, tb, batch: RolloutBatch, step: int) -> Dict[str, float]:
+        """``diagnostics.gain``: the update's gain decomposition (math_spec §h.3) from a forward of the same
+        batch under the new weights against its old log-probs (``megatron_rl.diagnostics``)."""
+        d = self.cfg.diagnostics
+        if not d.gain or tb.old_logprobs is None:
+            return {}
+        from megatron_rl.diagnostics import gain_decomposition
+
+        with self.timer.phase("diagnostics"):
+            new = self.trainers.forward(tb, self.cfg.objective_at(step))
+            rewards = [x for g in batch.groups for x in g.rewards]
+            return gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
+                                      d.reward_max)
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         with self.timer.phase("weight_sync"):

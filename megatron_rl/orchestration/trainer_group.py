@@ -73,9 +73,8 @@ class TrainerGroup:
         return self._call("train_step", per_rank=[(s, objective) for s in shards])[0]
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
-    def connect_engines(self, urls: List[str], transport: str, policy: str, ranks_per_server: int,
-                        timeout_s: float) -> None:
-        self._call("connect_engines", urls, transport, policy, ranks_per_server, timeout_s)
+    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float) -> None:
+        self._call("connect_engines", urls, transport, policy, timeout_s)
 
     def sync_weights(self, version: Any):
         return self._rank0("sync_weights", version)

@@ -138,8 +138,7 @@ class TrainerWorker:
         return None if self.capture is None else self.capture.stop()
 
     # ---- weights ------------------------------------------------------------------------------------
-    def connect_engines(self, urls: List[str], transport: str, policy: str, ranks_per_server: int = 1,
-                        timeout_s: float = 600.0) -> None:
+    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0) -> None:
         """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
         hosts); every rank: the WeightSync that joins rank 0's gathers."""
         from megatron_rl.rollout.weight_sync import WeightSync
@@ -151,12 +150,16 @@ class TrainerWorker:
             from megatron_rl.rollout.balancer import RemoteEngine
             from megatron_rl.rollout.http_client import SGLangClient
 
-            clients = [SGLangClient(u, timeout_s=timeout_s) for u in urls]
+            layout = None
+            if self.spec.weight_sync.replay_routing:  # the probe check asks the engines for their routing
+                from megatron_rl.routing.align import expert_layout
+
+                layout = expert_layout(self.trainer.built.arch)
+            clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport)
             if transport == "distributed":
                 ip = ray.util.get_node_ip_address()
-                self.engine.init_weight_sync(ip, 0, backend=self.spec.backend or default_backend(),
-                                             ranks_per_server=ranks_per_server, timeout_s=timeout_s)
+                self.engine.init_weight_sync(ip, 0, backend=self.spec.backend or default_backend(), timeout_s=timeout_s)
         self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync)
         if self.rank == 0:
             self.sync.progress = self.reporter

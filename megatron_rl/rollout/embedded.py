@@ -4,6 +4,20 @@ Serves the same protocol as SGLang so the whole RL loop runs and is tested witho
 decode loop (left-padded batch + KV cache) rather than ``model.generate`` because we need: one RNG per
 sample (seeded generation independent of batch composition), SGLang's top-k/top-p/min-p semantics,
 exact log-probs of the sampled tokens under a chosen convention (``protocol.py``), and router capture.
+
+How request seeds are used (``EmbeddedEngineConfig.seeds``):
+
+* ``"derived"`` (in-process use): sample ``j`` of a request seeded ``s`` draws from ``derive_seed(s, j)``;
+  an unseeded request takes a seed from the engine's own stream (``config.seed``, arrival order).
+* ``"deterministic"``: SGLang 0.5.23 with ``--enable-deterministic-inference`` -- every sample of a request
+  uses the request's ``sampling_seed``, 42 when it has none, so the ``n`` children of one request (and all
+  unseeded requests) produce the same tokens (``srt/sampling/sampling_batch_info.py``); ``min_p > 0`` is
+  refused, as SGLang's seeded sampler asserts on it.
+* ``"ignored"``: SGLang without that flag -- ``sampling_seed`` has no effect, every sample draws from the
+  engine's stream.
+
+Rows are built lazily, ``max_batch_rows`` at a time, so a request's size costs memory per batch, not per
+request (the HTTP server also caps it).
 """
 
 from __future__ import annotations
@@ -11,9 +25,10 @@ from __future__ import annotations
 import inspect
 import itertools
 import threading
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,8 +40,16 @@ from megatron_rl.rollout.routing import RoutingRecorder
 from megatron_rl.rollout.sampling import RowParams, derive_seed, make_generator, sample_next
 
 
+SEED_MODES = ("derived", "deterministic", "ignored")
+SGLANG_DEFAULT_SEED = 42  # what SGLang's deterministic sampler uses for a request without sampling_seed
+
+
 class EngineUnavailableError(RuntimeError):
     """The engine cannot generate now (memory released, or shut down)."""
+
+
+class SamplerAssertionError(RuntimeError):
+    """A request SGLang's sampler would assert on (its scheduler dies there); the server answers 500."""
 
 
 @dataclass
@@ -34,9 +57,11 @@ class EmbeddedEngineConfig:
     logprob_mode: str = "raw"  # "raw" (SGLang's default) or "processed"; see protocol.py
     eos_token_ids: Optional[Tuple[int, ...]] = None  # None: the model config's eos_token_id
     max_batch_rows: int = 64  # sampled sequences per forward pass (requests x n)
-    seed: int = 0  # seeds requests that carry no seed, in arrival order
+    seed: int = 0  # the engine's own seed stream (unseeded requests, arrival order)
     fill_last_routing: bool = True  # one extra decode step to route the last response token
     max_context: Optional[int] = None  # None: config.max_position_embeddings
+    seeds: str = "derived"  # how request seeds are used: see the module doc
+    sampling_mask_max_tokens: int = 4096  # SGLang's --sampling-mask-max-tokens: larger supports abort
 
     def __post_init__(self) -> None:
         if self.logprob_mode not in LOGPROB_MODES:
@@ -44,6 +69,8 @@ class EmbeddedEngineConfig:
                              f"expected one of {LOGPROB_MODES}")
         if self.max_batch_rows < 1:
             raise ValueError(f"EmbeddedEngineConfig.max_batch_rows={self.max_batch_rows}: expected >= 1")
+        if self.seeds not in SEED_MODES:
+            raise ValueError(f"EmbeddedEngineConfig.seeds={self.seeds!r}: expected one of {SEED_MODES}")
 
 
 @dataclass
@@ -60,6 +87,8 @@ class _Row:
     top_values: List[torch.Tensor]
     finish: Optional[str] = None
     matched: Optional[int] = None
+    processed: Optional[List[float]] = None  # "processed" log-probs, when the request asked for them
+    abort_message: Optional[str] = None
 
 
 def _eos_ids(model: torch.nn.Module) -> Tuple[int, ...]:
@@ -90,6 +119,8 @@ class EmbeddedEngine(RolloutEngine):
         self._abort_epoch = 0
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self.busy_since: Optional[float] = None  # monotonic time a batch started (None: idle)
+        self.last_progress = time.monotonic()  # monotonic time of the last prefill / decode step
         # transformers 5 renamed forward(past_key_values=) to forward(cache=); keep both working
         # (remove the old spelling once setup.py requires transformers>=5).
         params = inspect.signature(model.forward).parameters
@@ -106,19 +137,32 @@ class EmbeddedEngine(RolloutEngine):
     # ---- protocol -------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerateRequest]) -> List[Sample]:
-        rows: List[_Row] = []
         for req in requests:
             self.check_request(req)
-            rid = req.rid or uuid.uuid4().hex
-            with self._lock:  # the seed stream is shared: draw under the lock to keep arrival order
-                base = req.sampling.seed if req.sampling.seed is not None else int(
-                    torch.randint(0, 2**62, (), generator=self._seed_gen))
-            for j in range(req.sampling.n):
-                rows.append(_Row(req, j, derive_seed(base, j), rid, [], [], [], []))
+        rows = itertools.chain.from_iterable(self.rows(req) for req in requests)
         samples: List[Sample] = []
-        for start in range(0, len(rows), self.config.max_batch_rows):
-            samples.extend(self._generate_rows(rows[start:start + self.config.max_batch_rows]))
-        return samples
+        while True:
+            batch = list(itertools.islice(rows, self.config.max_batch_rows))
+            if not batch:
+                return samples
+            samples.extend(self.generate_rows(batch))
+
+    def _stream_seed(self) -> int:
+        with self._lock:  # the stream is shared: draw under the lock to keep arrival order
+            return int(torch.randint(0, 2**62, (), generator=self._seed_gen))
+
+    def rows(self, req: GenerateRequest) -> Iterator["_Row"]:
+        """The ``n`` sequences to sample for ``req``, built one at a time (seeds: module doc)."""
+        rid = req.rid or uuid.uuid4().hex
+        mode, seed = self.config.seeds, req.sampling.seed
+        if mode == "derived" and seed is None:
+            seed = self._stream_seed()
+        if mode == "deterministic" and seed is None:
+            seed = SGLANG_DEFAULT_SEED
+        for j in range(req.sampling.n):
+            row_seed = {"derived": lambda: derive_seed(seed, j), "deterministic": lambda: seed,
+                        "ignored": self._stream_seed}[mode]()
+            yield _Row(req, j, row_seed, rid, [], [], [], [], processed=[] if req.return_sampling_logprobs else None)
 
     def check_request(self, req: GenerateRequest) -> None:
         """Raise ValueError if this engine cannot serve ``req`` (the server answers 400 with it)."""
@@ -132,6 +176,11 @@ class EmbeddedEngine(RolloutEngine):
         vocab = self.model.config.vocab_size
         if max(req.prompt_ids) >= vocab:
             raise ValueError(f"prompt token id {max(req.prompt_ids)} >= vocab_size {vocab}")
+        if self.config.seeds == "deterministic" and req.sampling.min_p > 0 and not req.sampling.greedy:
+            raise SamplerAssertionError(
+                "AssertionError: With sampling seed, multinomial_with_seed will provide wrong results "
+                f"(min_p={req.sampling.min_p} with --enable-deterministic-inference: SGLang 0.5.23's sampler "
+                "asserts here, srt/layers/sampler.py); use min_p=0")
 
     def update_weights(self, named_tensor_buckets: Iterable[NamedTensorBucket], version: Any) -> None:
         """Copy every bucket into the model, then set the version. Each bucket is validated whole before
@@ -166,6 +215,21 @@ class EmbeddedEngine(RolloutEngine):
             logits = self.model(input_ids=ids).logits[0, :-1].float()  # [L-1, V]: position t predicts t+1
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
         return [logprobs.cpu()]
+
+    def prompt_logprobs_and_routes(self, token_ids: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`prompt_logprobs` plus the ``[L, MoE layers, topk]`` experts each token was routed to, from the
+        same forward (one replica)."""
+        if not self.routing.is_moe:
+            raise ValueError("prompt routes need an MoE model")
+        with self._lock:
+            self.routing.pop()
+            self.routing.enabled = True
+            try:
+                (logprobs,) = self.prompt_logprobs(token_ids)
+                layers = self.routing.pop()
+            finally:
+                self.routing.enabled = False
+        return [(logprobs, torch.stack(layers, dim=1))]
 
     def release_memory(self) -> None:
         """On CUDA: move weights to host memory, freeing the device. On CPU there is nothing to hand to a
@@ -232,51 +296,65 @@ class EmbeddedEngine(RolloutEngine):
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :], new_cache
 
-    def _generate_rows(self, rows: List[_Row]) -> List[Sample]:
+    def aborted_sample(self, row: _Row) -> Sample:
+        """The answer for a row aborted before it was generated."""
+        return Sample(prompt_ids=list(row.req.prompt_ids), response_ids=[], logprobs=[], finish_reason="abort",
+                      weight_version=self.weight_version, logprob_mode=self.config.logprob_mode, rid=row.rid,
+                      sample_index=row.index, sampling_logprobs=[] if row.processed is not None else None)
+
+    def generate_rows(self, rows: List[_Row]) -> List[Sample]:
+        """Sample one batch of rows (from :meth:`rows`) to the end; one sample per row, in order."""
         with self._lock, torch.no_grad():
             self._require_live()
             if self._released:
                 raise EngineUnavailableError("engine memory is released; call resume_memory() before generate()")
-            epoch = self._abort_epoch
-            B = len(rows)
-            lens = [len(r.req.prompt_ids) for r in rows]
-            P = max(lens)
-            ids = torch.tensor([[0] * (P - n) + list(r.req.prompt_ids) for r, n in zip(rows, lens)], device=self.device)
-            mask = torch.tensor([[0] * (P - n) + [1] * n for n in lens], device=self.device)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            params = RowParams.from_params([r.req.sampling for r in rows])
-            gens = [make_generator(r.seed) for r in rows]
-            top_n = max(r.req.return_top_logprobs for r in rows)
-            want_routes = any(r.req.return_routed_experts for r in rows)
-            self.routing.enabled = want_routes
-            routes: List[List[torch.Tensor]] = []  # per forward: [L] x [B*S, K]
-            limits = [min(r.req.sampling.max_new_tokens, self.max_context - n) for r, n in zip(rows, lens)]
+            self.busy_since = self.last_progress = time.monotonic()
             try:
+                return self._generate_rows(rows)
+            finally:
+                self.busy_since = None
+
+    def _generate_rows(self, rows: List[_Row]) -> List[Sample]:
+        epoch = self._abort_epoch
+        B = len(rows)
+        lens = [len(r.req.prompt_ids) for r in rows]
+        P = max(lens)
+        ids = torch.tensor([[0] * (P - n) + list(r.req.prompt_ids) for r, n in zip(rows, lens)], device=self.device)
+        mask = torch.tensor([[0] * (P - n) + [1] * n for n in lens], device=self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        params = RowParams.from_params([r.req.sampling for r in rows])
+        gens = [make_generator(r.seed) for r in rows]
+        top_n = max(r.req.return_top_logprobs for r in rows)
+        want_routes = any(r.req.return_routed_experts for r in rows)
+        self.routing.enabled = want_routes
+        routes: List[List[torch.Tensor]] = []  # per forward: [L] x [B*S, K]
+        limits = [min(r.req.sampling.max_new_tokens, self.max_context - n) for r, n in zip(rows, lens)]
+        try:
+            self._wait_if_paused(epoch)
+            logits, cache = self._prefill(rows, ids, mask, pos, share=not want_routes)
+            if want_routes:
+                routes.append(self.routing.pop())
+            for step in itertools.count():
+                res = sample_next(logits, params, gens, self.config.logprob_mode, top_n)
+                self._record_step(rows, res, limits, epoch)
+                if all(r.finish for r in rows):
+                    break
                 self._wait_if_paused(epoch)
-                logits, cache = self._prefill(rows, ids, mask, pos, share=not want_routes)
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                pos = pos[:, -1:] + 1
+                logits, cache = self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos, cache)
                 if want_routes:
                     routes.append(self.routing.pop())
-                for step in itertools.count():
-                    res = sample_next(logits, params, gens, self.config.logprob_mode, top_n)
-                    self._record_step(rows, res, limits, epoch)
-                    if all(r.finish for r in rows):
-                        break
-                    self._wait_if_paused(epoch)
-                    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                    pos = pos[:, -1:] + 1
-                    logits, cache = self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos, cache)
-                    if want_routes:
-                        routes.append(self.routing.pop())
-                if want_routes and self.config.fill_last_routing:
-                    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                    self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos[:, -1:] + 1, cache)
-                    routes.append(self.routing.pop())
-            finally:
-                self.routing.enabled = False
-                self.routing.pop()
-                for r in rows:
-                    self._aborted.discard(r.rid)
-            return [self._to_sample(b, r, lens[b], P, routes) for b, r in enumerate(rows)]
+            if want_routes and self.config.fill_last_routing:
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos[:, -1:] + 1, cache)
+                routes.append(self.routing.pop())
+        finally:
+            self.routing.enabled = False
+            self.routing.pop()
+            for r in rows:
+                self._aborted.discard(r.rid)
+        return [self._to_sample(b, r, lens[b], P, routes) for b, r in enumerate(rows)]
 
     def _prefill(self, rows: List[_Row], ids, mask, pos, share: bool):
         """The prompt forward of a batch: ``(last-position logits [B, V], KV cache of B rows)``.
@@ -317,17 +395,27 @@ class EmbeddedEngine(RolloutEngine):
             raise EngineUnavailableError("memory was released while generation was paused; the batch is lost")
 
     def _record_step(self, rows: List[_Row], res, limits: List[int], epoch: int) -> None:
+        self.last_progress = time.monotonic()
         abort_all = self._abort_epoch != epoch
         tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()  # one conversion, not one per row
+        processed, support = res.processed.tolist(), res.support.tolist()
+        cap = self.config.sampling_mask_max_tokens
         for b, r in enumerate(rows):
             if r.finish:
                 continue
             if abort_all or r.rid in self._aborted:
                 r.finish = "abort"
                 continue
+            if r.processed is not None and support[b] > cap:  # SGLang aborts the request (status OVERFLOW)
+                r.finish = "abort"
+                r.abort_message = (f"Sampling support exceeds --sampling-mask-max-tokens={cap}, commonly because "
+                                   "of cutoff ties. Lower top_k to leave more headroom or increase the server limit.")
+                continue
             tok = tokens[b]
             r.tokens.append(tok)
             r.logprobs.append(logprobs[b])
+            if r.processed is not None:
+                r.processed.append(processed[b])
             if res.top_ids is not None and r.req.return_top_logprobs:
                 r.top_ids.append(res.top_ids[b, : r.req.return_top_logprobs])
                 r.top_values.append(res.top_values[b, : r.req.return_top_logprobs])
@@ -356,5 +444,5 @@ class EmbeddedEngine(RolloutEngine):
             finish_reason=r.finish or "abort", matched_stop=r.matched, top_logprob_ids=top_ids,
             top_logprob_values=top_values, routed_experts=routed, prompt_routed_experts=prompt_routed,
             weight_version=self.weight_version, logprob_mode=self.config.logprob_mode, rid=r.rid,
-            sample_index=r.index,
+            sample_index=r.index, sampling_logprobs=r.processed, abort_message=r.abort_message,
         )

@@ -9,26 +9,40 @@ Failure policy (``RetryPolicy``):
   the connection was *refused* -- then the server provably never saw it;
 * ``restart_dead_server``: when a connection fails and the ``is_alive`` hook says the process is gone,
   call the ``restart`` hook (e.g. ``ManagedServer.restart``) before the next attempt;
-* 4xx: never retried; raised as ``RequestRejected`` with the server's message and offending field;
+* 4xx: never retried; raised as ``RequestRejected`` with the server's message (``wire.error_message``
+  reads every error body SGLang sends);
 * read timeouts: not retried by default (a slow generation retried is a doubled load).
+
+SGLang 0.5.23 rules the client follows (each was a hang or a silent collapse against the real server):
+a request's ``n`` samples go as ``n`` requests of one sample, each with its own seed and rid (SGLang gives
+every child of one request the same seed under deterministic inference, and fresh rids we could not
+abort by); unseeded samples still get a random seed (SGLang would seed them all 42); weight versions are
+read from ``/model_info`` (there is no ``/get_weight_version``); routed experts are decoded with the
+model's :class:`~megatron_rl.rollout.protocol.ExpertLayout`; "processed" log-probs are requested with
+``return_sampling_mask`` and read from ``output_token_sampling_logprobs``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
+import threading
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_rl.rollout import weight_group, wire
-from megatron_rl.rollout.protocol import GenerateRequest, Sample
+from megatron_rl.rollout.protocol import ExpertLayout, GenerateRequest, Sample
+from megatron_rl.rollout.sampling import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +77,18 @@ class ServerError(RuntimeError):
 
 
 class RequestRejected(ServerError):
-    """4xx: the request is wrong; ``field`` names the offending JSON field when the server said."""
-
-    @property
-    def field(self) -> Optional[str]:
-        return self.payload.get("param") if isinstance(self.payload, dict) else None
+    """4xx: the server refused the request (its message is in the exception's text)."""
 
 
 class ServerUnavailableError(ServerError):
     """The server could not be reached (or kept failing) after every attempt the policy allows."""
 
 
-def _shared_dir() -> Optional[str]:
-    """Where weight files go: /dev/shm (memory, no disk write) when there, else the temp directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _shared_dir() -> str:
+    """Where weight files go for a server on this machine (the folder the embedded server reads from)."""
+    from megatron_rl.rollout.server import shared_dir
+
+    return shared_dir()
 
 
 def _is_local_address(host: str) -> bool:
@@ -98,7 +110,7 @@ def _is_local_address(host: str) -> bool:
 class SGLangClient:
     def __init__(self, url: str, timeout_s: float = 600.0, retry: Optional[RetryPolicy] = None,
                  restart: Optional[Callable[[], None]] = None, is_alive: Optional[Callable[[], bool]] = None,
-                 routing_shape: Optional[Tuple[int, int]] = None, logprob_mode: str = "raw",
+                 expert_layout: Optional[ExpertLayout] = None, logprob_mode: str = "raw",
                  shared_files: Optional[bool] = None):
         parsed = urllib.parse.urlparse(url if "://" in url else f"http://{url}")
         if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
@@ -108,10 +120,13 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self.restart, self.is_alive = restart, is_alive
-        self.routing_shape = routing_shape  # (moe_layers, topk) to decode SGLang's routed_experts
-        self.logprob_mode = logprob_mode  # what the server returns when it does not say (SGLang: raw)
+        self.expert_layout = expert_layout  # to decode SGLang's routed_experts (MoE models)
+        self.logprob_mode = logprob_mode  # "raw" (output_token_logprobs) or "processed" (sampling logprobs)
         # weights to a server on this machine go as shared-memory files (update_weights_from_tensor)
         self.shared_files = _is_local_address(self._host) if shared_files is None else shared_files
+        self._lock = threading.Lock()
+        self._children: Dict[str, List[str]] = {}  # in-flight request rid -> the rids of its n samples
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sglang-client")
 
     # ---- transport ---------------------------------------------------------------------------------
 
@@ -157,7 +172,7 @@ class SGLangClient:
                 continue
             if 200 <= status < 300:
                 return payload
-            message = payload.get("message") if isinstance(payload, dict) else payload
+            message = wire.error_message(payload)
             if 400 <= status < 500 or status == 501:
                 cls = RequestRejected if status < 500 else ServerError
                 raise cls(f"{method} {self.url}{path} -> {status}: {message}", self.url, status, payload)
@@ -187,28 +202,84 @@ class SGLangClient:
         return status == 200
 
     def server_info(self) -> Dict[str, Any]:
-        return self.request("GET", "/get_server_info")
+        """The server's launch settings (``tp_size``, ``enable_deterministic_inference``, ...)."""
+        return self.request("GET", "/server_info")
+
+    def model_info(self) -> Dict[str, Any]:
+        return self.request("GET", "/model_info")
+
+    def get_weight_version(self) -> str:
+        return str(self.model_info().get("weight_version"))
 
     def generate_raw(self, body: Dict[str, Any]) -> Any:
         return self.request("POST", "/generate", body)
 
     def generate_one(self, req: GenerateRequest) -> List[Sample]:
-        """One request -> its ``n`` samples."""
-        answer = self.generate_raw(wire.request_to_json(req, return_logprob=True))
-        items = answer if isinstance(answer, list) else [answer]
-        if len(items) != req.sampling.n:
-            raise ServerError(f"/generate answered {len(items)} items for n={req.sampling.n}", self.url)
-        return [wire.sample_from_json(item, req, j, self.routing_shape, self.logprob_mode)
-                for j, item in enumerate(items)]
+        """One request -> its ``n`` samples, sent concurrently as ``n`` one-sample requests, each with its own
+        seed (``derive_seed(seed, j)``; a random seed when the request has none) and rid (``rid-j``)."""
+        base = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
+        rid = req.rid or secrets.token_hex(16)
+        n = req.sampling.n
+        children = [GenerateRequest(req.prompt_ids, dataclasses.replace(req.sampling, n=1, seed=derive_seed(base, j)),
+                                    req.return_top_logprobs, req.return_routed_experts, rid if n == 1 else f"{rid}-{j}",
+                                    req.return_sampling_logprobs) for j in range(n)]
+        with self._lock:
+            self._children[rid] = [c.rid for c in children]
+        try:
+            if n == 1:
+                return [self._generate_child(children[0], 0)]
+            futures = [self._pool.submit(self._generate_child, c, j) for j, c in enumerate(children)]
+            return [f.result() for f in futures]
+        finally:
+            with self._lock:
+                self._children.pop(rid, None)
+
+    def _generate_child(self, one: GenerateRequest, index: int) -> Sample:
+        # "processed" differs from "raw" only under a filter; unfiltered, SGLang's support is the whole vocabulary
+        # (and over --sampling-mask-max-tokens it aborts the request)
+        processed = self.logprob_mode == "processed" and one.sampling.filtered
+        item = self.generate_raw(wire.request_to_json(one, sampling_logprobs=processed))
+        if isinstance(item, list):
+            if len(item) != 1:
+                raise ServerError(f"/generate answered {len(item)} items for one sample", self.url)
+            item = item[0]
+        sample = wire.sample_from_json(item, one, index, self.expert_layout, "processed" if processed else "raw")
+        if not one.sampling.filtered:
+            sample.logprob_mode = self.logprob_mode  # the two conventions coincide
+        return sample
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``[L - 1]`` teacher-forced log-probs of ``token_ids[1:]`` (``input_token_logprobs``, temperature 1)."""
         return wire.parse_input_logprobs(self.generate_raw(wire.prompt_logprobs_request(token_ids)), token_ids)
 
-    def update_weights_from_tensor(self, buckets: Iterable[Sequence[Tuple[str, torch.Tensor]]],
-                                   weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
-        """Embedded-server format (``wire.py``): one call per bucket, streamed (buckets may be a
-        generator), then the version. Rejected buckets raise ``RequestRejected`` naming the bad tensors.
+    def prompt_logprobs_and_routes(self, token_ids: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`prompt_logprobs`, plus the ``[L, moe layers, topk]`` experts the server routed each token to."""
+        if self.expert_layout is None:
+            raise ValueError("prompt routes need the client's expert_layout (an MoE model)")
+        answer = self.generate_raw(wire.prompt_logprobs_request(token_ids, routed_experts=True))
+        return (wire.parse_input_logprobs(answer, token_ids),
+                wire.parse_prompt_routes(answer, len(token_ids), self.expert_layout))
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session; a session left open by a failed sync is closed and reopened."""
+        try:
+            self._expect_success(self.request("POST", "/begin_weight_update", {}))
+        except RequestRejected as e:
+            if "already open" not in str(e):
+                raise
+            log.warning("%s: a weight-update session was left open (an interrupted sync?); closing it", self.url)
+            self.end_weight_update()
+            self._expect_success(self.request("POST", "/begin_weight_update", {}))
+
+    def end_weight_update(self) -> None:
+        self._expect_success(self.request("POST", "/end_weight_update", {}))
+
+    def update_weights_from_tensor(self, buckets: Iterable[Sequence[Tuple[str, torch.Tensor]]]) -> None:
+        """The embedded server's own formats (``wire.py``): one call per bucket, streamed (buckets may be a
+        generator), inside a session the caller opened. Rejected buckets raise ``RequestRejected`` naming the
+        bad tensors.
 
         A server on this machine (``shared_files``, see ``__init__``) is sent the path of a safetensors file
         in shared memory instead of the bytes: base64 + JSON both ways cost ~20 ms per MiB on a CPU core,
@@ -220,16 +291,19 @@ class SGLangClient:
             self._expect_success(self.request("POST", "/update_weights_from_tensor", dict(
                 serialized_named_tensors=[wire.encode_bucket(bucket)], load_format="safetensors",
                 flush_cache=False)))
-        if flush_cache:
-            self.flush_cache()
-        if weight_version is not None:
-            self.update_weight_version(weight_version)
+
+    def update_weights_from_payloads(self, payloads: List[str], load_format: Optional[str] = None) -> None:
+        """SGLang's own format: one ``tensor_payload`` payload per server TP rank (colocated placement)."""
+        self._expect_success(self.request("POST", "/update_weights_from_tensor", dict(
+            serialized_named_tensors=list(payloads), load_format=load_format, flush_cache=False)))
 
     def _send_bucket_file(self, bucket: Sequence[Tuple[str, torch.Tensor]]) -> bool:
         """Post ``bucket`` as a shared-memory file; False (bytes from now on) if the server cannot read it."""
         import tempfile
 
-        fd, path = tempfile.mkstemp(prefix="mrl-weights-", suffix=".safetensors", dir=_shared_dir())
+        from megatron_rl.rollout.server import WEIGHT_FILE_PREFIX
+
+        fd, path = tempfile.mkstemp(prefix=WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=_shared_dir())
         os.close(fd)
         try:
             wire.write_bucket_file(bucket, path)
@@ -237,7 +311,7 @@ class SGLangClient:
                 serialized_named_tensors=[path], load_format="safetensors_file", flush_cache=False)))
             return True
         except RequestRejected as e:
-            if e.field != "serialized_named_tensors" or "cannot decode" not in str(e):
+            if "cannot decode" not in str(e) and "not a weight file" not in str(e):
                 raise  # the tensors themselves were rejected (names, shapes): the same with bytes
             log.warning("%s cannot read weight files from this machine (%s); sending weights as bytes", self.url, e)
             self.shared_files = False
@@ -256,18 +330,19 @@ class SGLangClient:
 
     def update_weights_from_distributed(self, bucket: Sequence[Tuple[str, torch.Tensor]],
                                         group_name: str = "weight_update_group",
-                                        weight_version: Optional[str] = None, flush_cache: bool = True) -> None:
-        """Announce a bucket; the caller broadcasts it on the group concurrently (this call blocks until
-        the server has received and loaded it)."""
-        body = dict(weight_group.bucket_metadata(bucket), group_name=group_name, flush_cache=flush_cache)
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+                                        load_format: Optional[str] = None) -> None:
+        """Announce a bucket; the caller broadcasts it on the group concurrently (this call returns once the
+        server has received and loaded it). Inside a session; the cache is flushed once per sync, not here."""
+        body = dict(weight_group.bucket_metadata(bucket), group_name=group_name, flush_cache=False)
+        if load_format is not None:
+            body["load_format"] = load_format
         self._expect_success(self.request("POST", "/update_weights_from_distributed", body, idempotent=False))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        self.request("POST", "/destroy_weights_update_group", dict(group_name=group_name))
+        self._expect_success(self.request("POST", "/destroy_weights_update_group", dict(group_name=group_name)))
 
     def flush_cache(self) -> None:
+        """Drop the prefix cache (KV computed by the old weights); refused (400) while requests run."""
         self.request("POST", "/flush_cache", {})
 
     def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
@@ -283,17 +358,19 @@ class SGLangClient:
         self.request("POST", "/continue_generation", {})
 
     def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+        """Abort every sample of the request ``rid`` (by the rids this client gave them), or everything."""
+        if abort_all:
+            self.request("POST", "/abort_request", {"abort_all": True})
+            return
+        with self._lock:
+            rids = list(self._children.get(rid, [rid]))
+        for r in rids:
+            self.request("POST", "/abort_request", {"rid": r, "abort_all": False})
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
-        self.request("POST", "/update_weight_version",
-                     {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+        self._expect_success(self.request("POST", "/update_weight_version",
+                                          {"new_version": str(new_version), "abort_all_requests": abort_all_requests}))
 
-    def get_weight_version(self) -> str:
-        answer = self.request("GET", "/get_weight_version")
-        return str(answer["weight_version"] if isinstance(answer, dict) else answer)
-
-    @staticmethod
-    def _expect_success(answer: Any) -> None:
+    def _expect_success(self, answer: Any) -> None:
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise ServerError(f"server reported failure: {answer.get('message')}", "", None, answer)
+            raise ServerError(f"{self.url} reported failure: {answer.get('message')}", self.url, None, answer)

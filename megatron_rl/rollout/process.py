@@ -113,7 +113,7 @@ class ManagedServer:
 
 
 def launch_embedded_server(model_path: str, log_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
-                           logprob_mode: str = "raw", seed: int = 0, health_timeout_s: float = 120.0,
+                           seed: int = 0, deterministic: bool = True, health_timeout_s: float = 120.0,
                            extra_args: Optional[List[str]] = None) -> ManagedServer:
     """Start ``python -m megatron_rl.rollout.server`` for ``model_path`` and wait until it is healthy."""
     port = port or free_port(host)
@@ -122,7 +122,8 @@ def launch_embedded_server(model_path: str, log_path: str, port: Optional[int] =
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     argv = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), "--logprob-mode", logprob_mode, "--seed", str(seed), *(extra_args or [])]
+            "--port", str(port), "--random-seed", str(seed), *(["--enable-deterministic-inference"] if deterministic
+                                                               else []), *(extra_args or [])]
     server = ManagedServer(argv, f"http://{host}:{port}", log_path, env=env, health_timeout_s=health_timeout_s,
                            name="embedded rollout server")
     return server.start()

@@ -19,14 +19,14 @@ Both agree exactly when no filter is active (``top_k=-1, top_p=1, min_p=0``). Wi
 that recomputes full-vocabulary log-probs must compare against ``"raw"``; a trainer that prunes the
 same kept set (DVP, math_spec §(b.2)) must compare against ``"processed"``.
 
-What SGLang 0.5.x returns (read from ``python/sglang/srt/layers/sampler.py`` on SGLang's 2025-26 main
-branch in the public code index, not from the 0.5.23 tag itself): the non-greedy path divides the
-logits by the temperature, takes ``softmax``, passes ``probs`` to the top-k/top-p/min-p sampler (the
-renormalised copies stay local to the sampler) and returns ``log(probs)`` -- i.e. ``"raw"``. Greedy
-batches return ``log_softmax(logits)``. ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` instead returns the
-log-softmax of the logits *before* temperature (not offered here); ``--rl-on-policy-target`` computes
-the same "raw" values with a bf16 ``log_softmax``. An early-2025 SGLang (commit 584f55d in the index)
-instead renormalised over top-p (not top-k / min-p): re-check when changing the pinned version.
+What SGLang 0.5.23 returns (read from its released source, ``srt/layers/sampler.py``): the sampler divides the
+logits by the temperature, takes ``softmax``, filters a copy of ``probs`` for top-k/top-p/min-p and returns
+``log(probs)`` of the sampled token in ``output_token_logprobs`` -- always ``"raw"``. Greedy requests
+(temperature 0 becomes temperature 1 with top_k 1) get ``log_softmax(logits)``. The ``"processed"`` value
+comes only when the request sets ``return_sampling_mask``: ``output_token_sampling_logprobs`` holds
+``log(p_sampled / mass of the support)`` per token (``SamplingLogprobsMode`` "selected"), beside
+``output_token_sampling_mask`` (the support's token ids). SGLang aborts a request whose support exceeds
+``--sampling-mask-max-tokens`` (default 4096), so pair ``"processed"`` with a top-k below that.
 
 Filter semantics (SGLang's torch sampler, "joint" order): on the temperature-scaled probabilities
 sorted in descending order, keep rank ``< top_k``; keep a token if the mass strictly before it is
@@ -116,6 +116,11 @@ class SamplingParams:
             raise _bad("ignore_eos", self.ignore_eos, "a bool", "pass true or false")
 
     @property
+    def filtered(self) -> bool:
+        """Whether top-k / top-p / min-p cut the distribution ("raw" and "processed" log-probs then differ)."""
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def greedy(self) -> bool:
         # SGLang rewrites temperature 0 as (temperature 1, top_k 1). It also takes its greedy
         # log-prob path (no temperature) when *every* request of a batch has top_k=1 -- a batch-dependent
@@ -142,8 +147,9 @@ class GenerateRequest:
 
     ``return_top_logprobs``: also return the ``k`` most likely tokens per position (0 = none), under the
     same convention as the sampled-token log-probs. ``return_routed_experts``: MoE engines return the
-    expert ids the router chose (see ``Sample.routed_experts``). ``rid`` names the request for
-    ``abort``; engines make one up when it is None.
+    expert ids the router chose (see ``Sample.routed_experts``). ``return_sampling_logprobs``: also return
+    each token's ``"processed"`` log-prob in ``Sample.sampling_logprobs`` (SGLang's
+    ``return_sampling_mask``). ``rid`` names the request for ``abort``; engines make one up when it is None.
     """
 
     prompt_ids: Tuple[int, ...]
@@ -151,6 +157,7 @@ class GenerateRequest:
     return_top_logprobs: int = 0
     return_routed_experts: bool = False
     rid: Optional[str] = None
+    return_sampling_logprobs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
@@ -180,6 +187,7 @@ class Sample:
       same convention for the prompt. A row of ``-1`` marks routing that was never computed: SGLang never
       feeds the last response token back, so over HTTP its row is ``-1``. Its routing cannot influence
       any response log-prob (causal attention), so a replay consumer may route that row freely.
+    * ``sampling_logprobs``: ``[R]`` ``"processed"`` log-probs when the request asked for them, else None.
     * ``weight_version``: the engine's version when the sample finished (weights updated during an
       in-place pause make one response span two versions).
     * ``finish_reason``: ``"stop"`` (``matched_stop`` = the stop/EOS token, which is the last response
@@ -199,6 +207,8 @@ class Sample:
     logprob_mode: str = "raw"
     rid: Optional[str] = None
     sample_index: int = 0
+    sampling_logprobs: Optional[List[float]] = None
+    abort_message: Optional[str] = None  # why an "abort" finish happened, when the engine said
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
@@ -206,6 +216,31 @@ class Sample:
         if self.routed_experts is not None:
             assert self.routed_experts.dim() == 3 and self.routed_experts.shape[0] == len(self.response_ids), (
                 tuple(self.routed_experts.shape), len(self.response_ids))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Which decoder layers are sparse-MoE (``moe_layers[i]``) and how many experts each token picks.
+
+    SGLang's ``routed_experts`` has one row per decoder layer (``num_hidden_layers``; zeros for dense
+    layers); ``Sample.routed_experts`` keeps only the MoE layers, in layer order."""
+
+    moe_layers: Tuple[bool, ...]
+    topk: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
+        if not any(self.moe_layers) or self.topk < 1:
+            raise ValueError(f"ExpertLayout(moe_layers={self.moe_layers}, topk={self.topk}): expected at least one "
+                             "MoE layer and topk >= 1")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def moe_indices(self) -> List[int]:
+        return [i for i, m in enumerate(self.moe_layers) if m]
 
 
 @dataclass

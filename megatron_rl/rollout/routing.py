@@ -12,17 +12,25 @@ is never computed (cpu_notes.md); the embedded engine fills it with one extra de
 
 from __future__ import annotations
 
-from typing import List, Optional
+import re
+from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_rl.rollout.protocol import ExpertLayout
 
-def _find_moe_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _find_moe_routers(model: torch.nn.Module) -> List[Tuple[int, torch.nn.Module]]:
+    """``(decoder layer index, router)`` of every sparse-MoE block, in module order."""
     routers = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         gate = getattr(module, "gate", None)
         if gate is not None and hasattr(module, "experts") and isinstance(gate, torch.nn.Module):
-            routers.append(gate)
+            m = _LAYER.search(name + ".")
+            routers.append((int(m.group(1)) if m else len(routers), gate))
     return routers
 
 
@@ -40,8 +48,12 @@ class RoutingRecorder:
     the forward(s) since the last pop (concatenated along tokens if several)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.routers = _find_moe_routers(model)
+        found = _find_moe_routers(model)
+        self.layer_indices = [i for i, _ in found]  # decoder layer of each router
+        self.routers = [r for _, r in found]
         config = getattr(model, "config", None)
+        self.num_hidden_layers = int(getattr(config, "num_hidden_layers", 0) or 0) or (
+            max(self.layer_indices, default=-1) + 1)
         self.top_k = _top_k_of(self.routers[0], config) if self.routers else 0
         self.enabled = False
         self._records: List[List[torch.Tensor]] = [[] for _ in self.routers]
@@ -54,6 +66,14 @@ class RoutingRecorder:
     @property
     def is_moe(self) -> bool:
         return bool(self.routers)
+
+    @property
+    def layout(self) -> Optional[ExpertLayout]:
+        """Which decoder layers hold the routers (SGLang's routed-experts rows), None for a dense model."""
+        if not self.routers:
+            return None
+        moe = set(self.layer_indices)
+        return ExpertLayout(tuple(i in moe for i in range(self.num_hidden_layers)), self.top_k)
 
     def _hook(self, layer: int):
         def hook(module, inputs, output):

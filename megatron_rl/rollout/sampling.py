@@ -63,6 +63,8 @@ class StepResult:
     logprobs: torch.Tensor  # [B] float32, convention per logprob_mode
     top_ids: Optional[torch.Tensor]  # [B, n] int64, or None
     top_values: Optional[torch.Tensor]  # [B, n] float32, or None
+    processed: Optional[torch.Tensor] = None  # [B] float32 "processed" log-probs, whatever logprob_mode is
+    support: Optional[torch.Tensor] = None  # [B] int64: tokens in the kept set (SGLang's sampling support)
 
 
 def kept_mask_sorted(sorted_logp: torch.Tensor, rows: RowParams) -> torch.Tensor:
@@ -110,7 +112,9 @@ def sample_next(
         return _sample_plain(logp, generators, top_n)
     if bool(plain.any()):  # a mixed batch: each row takes the path its own parameters choose
         out = StepResult(tokens=torch.empty(len(generators), dtype=torch.int64),
-                         logprobs=torch.empty(len(generators), dtype=torch.float32), top_ids=None, top_values=None)
+                         logprobs=torch.empty(len(generators), dtype=torch.float32), top_ids=None, top_values=None,
+                         processed=torch.empty(len(generators), dtype=torch.float32),
+                         support=torch.empty(len(generators), dtype=torch.int64))
         idx = {True: plain.nonzero().squeeze(1), False: (~plain).nonzero().squeeze(1)}
         parts = {True: _sample_plain(logp[idx[True]], [generators[i] for i in idx[True].tolist()], top_n),
                  False: _sample_sorted(logp[idx[False]], _take_rows(rows, idx[False]),
@@ -122,6 +126,8 @@ def sample_next(
         for key, part in parts.items():
             out.tokens[idx[key]] = part.tokens
             out.logprobs[idx[key]] = part.logprobs
+            out.processed[idx[key]] = part.processed
+            out.support[idx[key]] = part.support
             if top_n > 0:
                 out.top_ids[idx[key]] = part.top_ids
                 out.top_values[idx[key]] = part.top_values
@@ -166,7 +172,9 @@ def _sample_plain(logp: torch.Tensor, generators: Sequence[torch.Generator], top
         n = min(top_n, logp.shape[1])
         sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
         top_ids, top_values = order[:, :n].clone(), sorted_logp[:, :n].clone()
-    return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values)
+    support = (probs > 0).sum(-1)
+    return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values, processed=logprobs,
+                      support=support)
 
 
 def _sample_sorted(logp: torch.Tensor, rows: RowParams, generators: Sequence[torch.Generator], logprob_mode: str,
@@ -184,17 +192,17 @@ def _sample_sorted(logp: torch.Tensor, rows: RowParams, generators: Sequence[tor
     pos = torch.minimum(pos, keep.sum(-1) - 1)  # u*total can round up to the last cdf value
     tokens = order.gather(1, pos.unsqueeze(1)).squeeze(1)
 
-    if logprob_mode == "raw":
-        sorted_out = sorted_logp
-    else:
-        masked = sorted_logp.masked_fill(~keep, float("-inf"))
-        sorted_out = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+    masked = sorted_logp.masked_fill(~keep, float("-inf"))
+    sorted_processed = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+    processed = sorted_processed.gather(1, pos.unsqueeze(1)).squeeze(1)
+    sorted_out = sorted_logp if logprob_mode == "raw" else sorted_processed
     logprobs = sorted_out.gather(1, pos.unsqueeze(1)).squeeze(1)
     top_ids = top_values = None
     if top_n > 0:
         n = min(top_n, logp.shape[1])
         top_ids, top_values = order[:, :n].clone(), sorted_out[:, :n].clone()
-    return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values)
+    return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values, processed=processed,
+                      support=keep.sum(-1))
 
 
 def processed_logprob_reference(logits: torch.Tensor, token: int, params: SamplingParams) -> float:

@@ -1,172 +1,124 @@
-"""An HTTP server speaking SGLang's native endpoints over an ``EmbeddedEngine`` (stdlib only).
+"""An HTTP server that behaves as SGLang 0.5.23 does, over an ``EmbeddedEngine`` (stdlib only).
 
-Same paths and JSON fields as SGLang 0.5.x (see ``wire.py``), so the HTTP client, the balancer and the
-driver are exercised identically on CPU and against real SGLang. Binds 127.0.0.1 by default.
+A test double written from SGLang's released source (``srt/entrypoints/http_server.py``,
+``srt/managers/scheduler_components/weight_updater.py``, ``tokenizer_manager.py``, ``io_struct.py``), so
+the HTTP client, the balancer, the weight sync and the driver meet SGLang's rules on CPU:
 
-Concurrency: each connection gets a thread (``ThreadingHTTPServer``); ``/generate`` jobs go through one
-queue whose worker batches everything waiting into one engine call (seeded sampling does not depend on
-batch composition, so batching changes no token; log-probs may move by float rounding, ~1e-6), after a
-short gathering pause (10 ms without a new request, 100 ms at most) so that a driver's concurrent
-requests share one batch. There is no continuous batching: a request arriving while a batch runs waits
-for it. Control endpoints (abort, pause) act between decode steps; weight updates wait for the running
-batch to finish.
+* weight updates (``/update_weights_from_distributed``, ``/update_weights_from_tensor``) only between
+  ``/begin_weight_update`` and ``/end_weight_update`` (else 400 ``{"success": false, "message"}``, and no
+  collective is entered); each update flushes the cache unless ``flush_cache=false``, and a flush refused
+  because requests are running or queued fails the update call (the weights are loaded all the same);
+* the weight group is joined exactly as ``init_custom_process_group`` does (``weight_group.py``);
+* ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``, and then all ``n`` children
+  of a request share it (42 when absent); ``min_p > 0`` makes SGLang's seeded sampler assert (500 here);
+* ``n > 1`` children get fresh ids; prompt ids ``>= vocab_size - 1`` are reported as 0 in
+  ``input_token_logprobs``; ``output_token_logprobs`` are always "raw", the "processed" ones come as
+  ``output_token_sampling_logprobs`` with ``return_sampling_mask``;
+* ``routed_experts`` has one column block per decoder layer (zeros for dense layers);
+* error bodies: ``{"error": {"message"}}`` (request errors), ``{"error": "..."}`` (schema contract),
+  ``{"detail": ...}`` (FastAPI validation 422, 404, 405); ``/model_info`` carries ``weight_version``,
+  ``/server_info`` the launch settings (``tp_size``, ``enable_deterministic_inference``, ...), and
+  ``/get_weight_version`` does not exist;
+* ``/health`` is 503 while the engine cannot answer a one-token generation within ``--health-timeout``
+  (wedged, paused, memory released).
 
-Differences from SGLang, all answered with a clear status: no tokenizer (``text`` input -> 400,
-``text`` output is ""), no streaming, prompt log-probs (``logprob_start_len >= 0``) come without
-``input_top_logprobs`` and cost one extra forward of the prompt, ``/update_weights_from_tensor`` takes
-safetensors (``wire.py``), ``pause_generation`` mode ``retract`` behaves like ``in_place``.
+Only this server has (extensions the SGLang client path never relies on): the ``safetensors`` and
+``safetensors_file`` load formats of ``/update_weights_from_tensor`` (files only from its shared-memory
+folder), ``"engine": "embedded"`` in ``/server_info``, and request caps (``--max-n``, ``--max-request-rows``,
+``--max-request-tokens``: 400 naming the limit) so that one request cannot exhaust the machine.
+Not supported (a clear 400): text input, streaming, images, LoRA, grammars.
 
-Run: ``python -m megatron_rl.rollout.server --model-path DIR [--port N] [--logprob-mode raw]``.
+Run: ``python -m megatron_rl.rollout.server --model-path DIR [--port N] [--enable-deterministic-inference]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import uuid
-from collections import deque
-from http import HTTPStatus
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_rl.rollout import weight_group, wire
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError
+from megatron_rl.rollout.embedded import (
+    EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError, SamplerAssertionError,
+)
+from megatron_rl.rollout.generation_queue import GenerationQueue
 from megatron_rl.rollout.hf_weights import WeightUpdateError
-from megatron_rl.rollout.protocol import GenerateRequest, Sample
+from megatron_rl.rollout.protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
 
+SGLANG_VERSION = "0.5.23"
+WEIGHT_FILE_PREFIX = "mrl-weights-"  # the only files load_format="safetensors_file" may name
+MAX_BODY_BYTES = 4 << 30
+
+
+def shared_dir() -> str:
+    """Where same-machine weight files go: /dev/shm (memory) when writable, else the temp directory."""
+    import tempfile
+
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, field: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.field = status, message, field
+    """An answer other than 200: ``status`` and the JSON (or text) ``payload`` SGLang would send."""
+
+    def __init__(self, status: int, payload: Any):
+        super().__init__(wire.error_message(payload))
+        self.status, self.payload = status, payload
 
 
-class _Job:
-    def __init__(self, requests: List[GenerateRequest]):
-        self.requests = requests
-        self.done = threading.Event()
-        self.samples: Optional[List[Sample]] = None
-        self.error: Optional[BaseException] = None
+def _request_error(message: str, status: int = 400) -> HTTPError:
+    return HTTPError(status, {"error": {"message": message}})
 
 
-class GenerationQueue:
-    """Batches queued ``/generate`` jobs into engine calls on one worker thread.
-
-    A driver sends a step's prompts as concurrent requests, which reach the queue a few milliseconds
-    apart; started on the first arrival, the batch would hold one request and the rest would wait for it
-    (two batches, twice the decode steps). So the worker gathers first: once a job is waiting, it starts
-    when no new job has come for ``gather_quiet_s``, or ``gather_max_s`` after the first (0 disables).
-    """
-
-    def __init__(self, engine: EmbeddedEngine, gather_quiet_s: float = 0.01, gather_max_s: float = 0.1):
-        self.engine = engine
-        self.gather_quiet_s, self.gather_max_s = gather_quiet_s, gather_max_s
-        self._jobs: deque = deque()
-        self._cv = threading.Condition()
-        self._paused = False
-        self._stopped = False
-        self._thread = threading.Thread(target=self._work, name="generation-queue", daemon=True)
-        self._thread.start()
-
-    def submit(self, requests: List[GenerateRequest]) -> List[Sample]:
-        job = _Job(requests)
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify_all()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.samples
-
-    def pause(self) -> None:
-        with self._cv:
-            self._paused = True
-
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
-    def abort_queued(self, rid: Optional[str], abort_all: bool) -> None:
-        with self._cv:
-            keep = deque()
-            for job in self._jobs:
-                if abort_all or any(r.rid == rid for r in job.requests):
-                    job.samples = [_aborted(self.engine, r, j) for r in job.requests for j in range(r.sampling.n)]
-                    job.done.set()
-                else:
-                    keep.append(job)
-            self._jobs = keep
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-        self.abort_queued(None, abort_all=True)
-
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stopped and (self._paused or not self._jobs):
-                    self._cv.wait()
-                if self._stopped:
-                    return
-                self._gather()
-                if self._stopped:
-                    return
-                if self._paused or not self._jobs:  # paused, or the gathered jobs were aborted meanwhile
-                    continue
-                jobs = list(self._jobs)
-                self._jobs.clear()
-            try:
-                samples = self.engine.generate([r for job in jobs for r in job.requests])
-            except BaseException as e:  # noqa: BLE001 - reported to every waiting handler
-                for job in jobs:
-                    job.error = e
-                    job.done.set()
-                continue
-            for job in jobs:
-                count = sum(r.sampling.n for r in job.requests)
-                job.samples, samples = samples[:count], samples[count:]
-                job.done.set()
-
-    def _gather(self) -> None:
-        """Wait (holding ``_cv``'s lock between waits) until arrivals pause; see the class doc."""
-        if self.gather_max_s <= 0:
-            return
-        deadline = time.monotonic() + self.gather_max_s
-        seen = len(self._jobs)
-        while not self._stopped and not self._paused:
-            remaining = min(self.gather_quiet_s, deadline - time.monotonic())
-            if remaining <= 0:
-                return
-            self._cv.wait(remaining)
-            if len(self._jobs) <= seen:  # nothing new for gather_quiet_s (or jobs were aborted)
-                return
-            seen = len(self._jobs)
+def _weights_error(message: str) -> HTTPError:
+    return HTTPError(400, {"success": False, "message": message})
 
 
-def _aborted(engine: EmbeddedEngine, req: GenerateRequest, index: int) -> Sample:
-    return Sample(prompt_ids=list(req.prompt_ids), response_ids=[], logprobs=[], finish_reason="abort",
-                  weight_version=engine.weight_version, logprob_mode=engine.config.logprob_mode, rid=req.rid,
-                  sample_index=index)
+def _validation_error(field: str, message: str, value: Any = None) -> HTTPError:
+    """What FastAPI answers when a body does not validate against the endpoint's request class."""
+    return HTTPError(422, {"detail": [{"type": "value_error", "loc": ["body", field], "msg": message,
+                                       "input": value}]})
 
 
 def _field(body: Dict[str, Any], key: str, kind, default=...):
-    if key not in body:
+    if key not in body or body[key] is None and default is not ...:
         if default is ...:
-            raise HTTPError(400, "required field is missing", key)
+            raise _validation_error(key, "Field required")
         return default
     value = body[key]
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        raise HTTPError(400, f"expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}", key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _validation_error(key, f"Input should be a valid {getattr(kind, '__name__', 'value')}", value)
     return value
+
+
+@dataclass
+class ServerLimits:
+    """Per-request caps (this server's own; SGLang has none): beyond them a request is refused with 400."""
+
+    max_n: int = 256
+    max_rows: int = 4096  # prompts x n
+    max_tokens: int = 1 << 22  # sum over rows of (prompt + max_new_tokens)
+
+    def check(self, requests: List[GenerateRequest]) -> None:
+        n = max(r.sampling.n for r in requests)
+        rows = sum(r.sampling.n for r in requests)
+        tokens = sum((len(r.prompt_ids) + r.sampling.max_new_tokens) * r.sampling.n for r in requests)
+        for value, limit, what, flag in ((n, self.max_n, "sampling_params.n", "--max-n"),
+                                         (rows, self.max_rows, "prompts x n", "--max-request-rows"),
+                                         (tokens, self.max_tokens, "(prompt + max_new_tokens) x n summed",
+                                          "--max-request-tokens")):
+            if value > limit:
+                raise _request_error(f"{what} = {value} exceeds this server's limit of {limit} per request; split "
+                                     f"the request or restart the server with a larger {flag}")
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -177,23 +129,37 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class EmbeddedServer:
-    """``EmbeddedServer(engine).start()``; ``.url``; ``.stop()``."""
+    """``EmbeddedServer(engine).start()``; ``.url``; ``.stop()``. The engine's ``config.seeds`` decides the
+    seed semantics: ``"deterministic"`` is SGLang with ``--enable-deterministic-inference``, ``"ignored"``
+    without it."""
 
-    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
+                 limits: Optional[ServerLimits] = None, health_timeout_s: float = 20.0,
+                 model_path: Optional[str] = None):
         self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.health_timeout_s = health_timeout_s
+        self.model_path = model_path or getattr(engine.model.config, "_name_or_path", "") or "embedded"
         self.queue = GenerationQueue(engine)
         self._groups: Dict[str, Any] = {}
+        self._session = False  # a weight-update session is open
+        self._released: set = set()  # memory tags released
+        self._update_lock = threading.Lock()  # weight endpoints run one at a time, as SGLang's scheduler does
         self._routes: Dict[Tuple[str, str], Callable[[Dict[str, Any]], Any]] = {}
         for path, handler, methods in [
-            ("/health", self._health, ("GET", "POST")), ("/get_server_info", self._server_info, ("GET",)),
-            ("/get_weight_version", self._weight_version, ("GET",)), ("/generate", self._generate, ("POST",)),
+            ("/health", self._health, ("GET",)), ("/health_generate", self._health, ("GET",)),
+            ("/model_info", self._model_info, ("GET",)), ("/get_model_info", self._model_info, ("GET",)),
+            ("/server_info", self._server_info, ("GET",)), ("/get_server_info", self._server_info, ("GET",)),
+            ("/generate", self._generate, ("POST", "PUT")),
+            ("/begin_weight_update", self._begin_update, ("POST",)),
+            ("/end_weight_update", self._end_update, ("POST",)),
             ("/update_weights_from_tensor", self._update_from_tensor, ("POST",)),
             ("/init_weights_update_group", self._init_group, ("POST",)),
             ("/update_weights_from_distributed", self._update_from_distributed, ("POST",)),
             ("/destroy_weights_update_group", self._destroy_group, ("POST",)),
             ("/flush_cache", self._flush_cache, ("GET", "POST")),
-            ("/release_memory_occupation", self._release, ("POST",)),
-            ("/resume_memory_occupation", self._resume, ("POST",)),
+            ("/release_memory_occupation", self._release, ("GET", "POST")),
+            ("/resume_memory_occupation", self._resume, ("GET", "POST")),
             ("/pause_generation", self._pause, ("POST",)), ("/continue_generation", self._continue, ("POST",)),
             ("/abort_request", self._abort, ("POST",)), ("/update_weight_version", self._set_version, ("POST",)),
         ]:
@@ -207,6 +173,10 @@ class EmbeddedServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def deterministic(self) -> bool:
+        return self.engine.config.seeds == "deterministic"
+
     def start(self) -> "EmbeddedServer":
         # a short poll interval makes stop() return quickly (shutdown waits for the next poll)
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name="embedded-server",
@@ -218,169 +188,288 @@ class EmbeddedServer:
         self.httpd.serve_forever()
 
     def stop(self) -> None:
-        self.queue.stop()
         self.httpd.shutdown()
+        self.engine.abort(abort_all=True)
+        self.queue.stop()
         self.httpd.server_close()
 
     def dispatch(self, method: str, path: str, body: Any) -> Tuple[int, Any]:
         handler = self._routes.get((method, path))
         if handler is None:
             if any(p == path for _, p in self._routes):
-                raise HTTPError(405, f"{method} is not allowed on {path}")
-            raise HTTPError(404, f"no endpoint {path}")
+                raise HTTPError(405, {"detail": "Method Not Allowed"})
+            raise HTTPError(404, {"detail": "Not Found"})
         if not isinstance(body, dict):
-            raise HTTPError(400, "expected a JSON object", "body")
+            raise _validation_error("body", "Input should be a valid dictionary", body)
         return handler(body)
 
-    # ---- endpoints ---------------------------------------------------------------------------------
+    # ---- health and info ----------------------------------------------------------------------------
 
     def _health(self, body):
+        """SGLang's health check generates one token; any output within the timeout means healthy."""
         h = self.engine.health()
-        status = 200 if h.healthy else 503
-        return status, dict(status="ok" if h.healthy else "unhealthy", weight_version=h.weight_version,
-                            memory_released=h.memory_released, paused=h.paused, detail=h.detail)
+        if not h.healthy or h.memory_released or h.paused:
+            return 503, None
+        tic = time.monotonic()
+        if self.engine.busy_since is not None:  # a batch runs: healthy while it makes progress
+            deadline = tic + self.health_timeout_s
+            while time.monotonic() < deadline:
+                if self.engine.last_progress > tic or self.engine.busy_since is None:
+                    return 200, None
+                time.sleep(0.05)
+            log.error("health check failed: no decode step for %.0f s", self.health_timeout_s)
+            return 503, None
+        try:
+            self.queue.submit([GenerateRequest((0,), _health_params(), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")],
+                              timeout_s=self.health_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure is unhealthy
+            log.error("health check failed: %s", e)
+            return 503, None
+        return 200, None
+
+    def _model_info(self, body):
+        cfg = self.engine.model.config
+        return 200, {"model_path": self.model_path, "served_model_name": self.model_path,
+                     "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
+                     "weight_version": self.engine.weight_version, "load_format": "auto",
+                     "model_type": getattr(cfg, "model_type", None),
+                     "architectures": getattr(cfg, "architectures", None)}
 
     def _server_info(self, body):
-        r = self.engine.routing
-        return 200, dict(engine="embedded", logprob_mode=self.engine.config.logprob_mode,
-                         weight_version=self.engine.weight_version, moe_layers=r.num_layers, moe_topk=r.top_k,
-                         max_context=self.engine.max_context)
+        layout = self.engine.routing.layout
+        return 200, {"model_path": self.model_path, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                     "enable_deterministic_inference": self.deterministic,
+                     "enable_return_routed_experts": layout is not None,
+                     "sampling_mask_max_tokens": self.engine.config.sampling_mask_max_tokens,
+                     "context_length": self.engine.max_context, "random_seed": self.engine.config.seed,
+                     "enable_memory_saver": True, "skip_tokenizer_init": True,
+                     "version": SGLANG_VERSION, "engine": "embedded"}  # "engine": this server's extension
 
-    def _weight_version(self, body):
-        return 200, {"weight_version": self.engine.weight_version}
+    # ---- generation ---------------------------------------------------------------------------------
 
     def _generate(self, body):
         try:
-            requests, batch, options = wire.parse_generate(body)
+            requests, as_list, options = wire.parse_generate(body)
         except wire.BadRequest as e:
-            raise HTTPError(400, e.message, e.field) from None
-        named = []
+            raise (HTTPError(400, {"error": f"{e.field}: {e.message}"}) if e.contract
+                   else _request_error(f"{e.field}: {e.message}")) from None
+        self.limits.check(requests)
         for i, r in enumerate(requests):
             try:
                 self.engine.check_request(r)
+            except SamplerAssertionError as e:
+                raise _request_error(str(e), status=500) from None
             except ValueError as e:
-                raise HTTPError(400, str(e), "input_ids" if not batch else f"input_ids[{i}]") from None
-            named.append(r if r.rid else GenerateRequest(r.prompt_ids, r.sampling, r.return_top_logprobs,
-                                                         r.return_routed_experts, uuid.uuid4().hex))
-        samples = self.queue.submit(named)
-        start = options["logprob_start_len"]
-        items, k = [], 0
-        for r in named:
-            prompt_lp = None
-            if options["return_logprob"] and start >= 0:
+                raise _request_error(str(e)) from None
+            if len(r.prompt_ids) + r.sampling.max_new_tokens > self.engine.max_context:
+                raise _request_error(
+                    f"Requested token count exceeds the model's maximum context length of {self.engine.max_context} "
+                    f"tokens. You requested a total of {len(r.prompt_ids) + r.sampling.max_new_tokens} tokens: "
+                    f"{len(r.prompt_ids)} tokens from the input messages and {r.sampling.max_new_tokens} tokens for "
+                    "the completion. Please reduce the number of tokens in the input messages or the completion to "
+                    "fit within the limit.")
+        # SGLang (tokenizer_manager): a single request keeps its rid; n > 1 becomes n child requests with the
+        # same sampling params (the same seed) and fresh rids each
+        children = [(i, dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, n=1),
+                                            rid=r.rid if r.sampling.n == 1 and r.rid else uuid.uuid4().hex))
+                    for i, r in enumerate(requests) for _ in range(r.sampling.n)]
+        try:
+            samples = self.queue.submit([c for _, c in children])
+        except EngineUnavailableError as e:
+            raise _request_error(str(e)) from None
+        layout = self.engine.routing.layout
+        vocab = self.engine.model.config.vocab_size
+        prompt_lp: Dict[int, Any] = {}
+        for i, r in enumerate(requests):
+            start = options["logprob_start_len"][i]
+            if options["return_logprob"][i] and start >= 0:
                 # after generation, so both come from the weights the samples report
                 scores = self.engine.prompt_logprobs(r.prompt_ids)[0]
-                prompt_lp = wire.input_logprob_entries(r.prompt_ids, scores, start)
-            for _ in range(r.sampling.n):
-                items.append(wire.sample_to_json(samples[k], options, r.sampling.max_new_tokens, prompt_lp))
-                k += 1
-        return 200, (items if batch or len(items) > 1 else items[0])
+                prompt_lp[i] = wire.input_logprob_entries(r.prompt_ids, scores, start, vocab)
+        items = [wire.sample_to_json(s, options, i, requests[i].sampling.max_new_tokens, prompt_lp.get(i), layout)
+                 for (i, _), s in zip(children, samples)]
+        return 200, (items if as_list else items[0])
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def _begin_update(self, body):
+        with self._update_lock:
+            if self._session:
+                raise _weights_error("a weight-update session is already open; call end_weight_update() first")
+            self._session = True
+        return 200, {"success": True, "message": "Success"}
+
+    def _end_update(self, body):
+        with self._update_lock:
+            if not self._session:
+                raise _weights_error("no weight-update session is open; call begin_weight_update() first")
+            self._session = False
+        return 200, {"success": True, "message": "Success"}
 
     def _apply(self, buckets, body) -> Tuple[int, Any]:
-        version = _field(body, "weight_version", (str, int, type(None)), None)
+        """Load the buckets (waiting for the running batch unless paused), then SGLang's post-update rules."""
+        if _field(body, "abort_all_requests", bool, False):
+            self.engine.abort(abort_all=True)
+            self.queue.abort(None, abort_all=True)
+        version = _field(body, "weight_version", str, None)
         try:
             self.engine.update_weights(buckets, version if version is not None else self.engine.weight_version)
         except WeightUpdateError as e:
-            return 400, {"success": False, "message": str(e)}
-        return 200, {"success": True, "message": f"updated; weight_version={self.engine.weight_version}"}
+            raise _weights_error(f"Failed to update parameter online: {e}") from None
+        message = "Succeeded to update parameter online."
+        if _field(body, "flush_cache", bool, True) and self.queue.busy:
+            raise _weights_error("Weights were updated, but the cache was not flushed because requests are still "
+                                 "running or queued. Retract or finish them, then call /flush_cache.")
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return 200, {"success": True, "message": message}
 
     def _update_from_tensor(self, body):
-        fmt = _field(body, "load_format", (str, type(None)), None)
+        fmt = _field(body, "load_format", str, None)
         payloads = _field(body, "serialized_named_tensors", list)
-        if fmt not in ("safetensors", "safetensors_file"):
-            raise HTTPError(400, f"load_format={fmt!r} is not supported by the embedded server: send "
-                            "'safetensors' (base64 safetensors bytes) or 'safetensors_file' (server-readable "
-                            "paths); SGLang's pickled MultiprocessingSerializer format is not accepted",
-                            "load_format")
         if not all(isinstance(p, str) for p in payloads):
-            raise HTTPError(400, "expected a list of strings", "serialized_named_tensors")
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True)
-            self.queue.abort_queued(None, abort_all=True)
-        try:
-            if fmt == "safetensors":
-                buckets = [wire.decode_bucket(p) for p in payloads]
-            else:
-                from safetensors.torch import load_file
+            raise _validation_error("serialized_named_tensors", "Input should be a valid list of base64 strings")
+        with self._update_lock:
+            if not self._session:
+                raise _weights_error("update_weights_from_tensor must run between begin_weight_update() and "
+                                     "end_weight_update()")
+            try:
+                if fmt == "safetensors":  # extension
+                    buckets = [wire.decode_bucket(p) for p in payloads]
+                elif fmt == "safetensors_file":  # extension
+                    from safetensors.torch import load_file
 
-                buckets = [list(load_file(p).items()) for p in payloads]
-        except Exception as e:  # noqa: BLE001 - any decode failure is the client's payload
-            raise HTTPError(400, f"cannot decode the tensors: {type(e).__name__}: {e}",
-                            "serialized_named_tensors") from None
-        return self._apply(buckets, body)
+                    buckets = [list(load_file(self._weight_file(p)).items()) for p in payloads]
+                elif fmt in (None, "direct", weight_group.FLATTENED):  # SGLang's own: one payload per TP rank
+                    from megatron_rl.rollout.tensor_payload import decode_payloads
+
+                    buckets = [decode_payloads(payloads, fmt, tp_rank=0)]
+                else:
+                    raise ValueError(f"Unknown load_format={fmt}")
+            except HTTPError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any decode failure is the client's payload
+                raise _weights_error(f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}") from None
+            return self._apply(buckets, body)
+
+    def _weight_file(self, path: str) -> str:
+        """A weight file the client named: only ours, in the shared-memory folder (never any other path)."""
+        real, folder = os.path.realpath(path), os.path.realpath(shared_dir())
+        if os.path.dirname(real) != folder or not os.path.basename(real).startswith(WEIGHT_FILE_PREFIX):
+            raise _weights_error(f"serialized_named_tensors: {path!r} is not a weight file of this machine's shared "
+                                 f"folder ({folder}/{WEIGHT_FILE_PREFIX}*); send the bytes (load_format="
+                                 "'safetensors') instead")
+        return real
 
     def _init_group(self, body):
         name = _field(body, "group_name", str, "weight_update_group")
-        try:
-            group = weight_group.create_weight_group(
-                _field(body, "master_address", str), _field(body, "master_port", int),
-                _field(body, "rank_offset", int), _field(body, "world_size", int),
-                backend=_field(body, "backend", str, "gloo"), group_name=name,
-                timeout_s=float(_field(body, "timeout_s", (int, float), 300)))
-        except HTTPError:
-            raise
+        address, port = _field(body, "master_address", str), _field(body, "master_port", int)
+        offset, world = _field(body, "rank_offset", int), _field(body, "world_size", int)
+        backend = _field(body, "backend", str, "nccl")
+        if not name:
+            raise _weights_error("Group name cannot be empty")
+        try:  # tp_rank 0: this server is one engine rank
+            group = weight_group.create_weight_group(address, port, offset, world, backend=backend,
+                                                     group_name=name, timeout_s=300.0)
         except Exception as e:  # noqa: BLE001
-            return 400, {"success": False, "message": f"cannot join weight group {name!r}: {e}"}
+            raise _weights_error(f"Failed to initialize custom process group: {e}.") from None
         self._groups[name] = group
-        return 200, {"success": True, "message": f"joined weight group {name!r}"}
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def _update_from_distributed(self, body):
-        name = _field(body, "group_name", str, "weight_update_group")
-        if name not in self._groups:
-            raise HTTPError(400, f"no weight group {name!r}; call /init_weights_update_group first", "group_name")
         names, dtypes, shapes = (_field(body, k, list) for k in ("names", "dtypes", "shapes"))
-        try:
-            bucket = weight_group.receive_bucket(self._groups[name], names, dtypes, shapes)
-        except ValueError as e:
-            raise HTTPError(400, str(e), "names") from None
-        return self._apply([bucket], body)
+        name = _field(body, "group_name", str, "weight_update_group")
+        fmt = _field(body, "load_format", str, None)
+        with self._update_lock:
+            if not self._session:
+                raise _weights_error("update_weights_from_distributed must run between begin_weight_update() and "
+                                     "end_weight_update()")
+            if name not in self._groups:
+                raise _weights_error(f"Failed to receive weights: Group {name} not in {list(self._groups)}. Please "
+                                     "call `init_weights_update_group` first.")
+            try:
+                bucket = weight_group.receive_bucket(self._groups[name], names, dtypes, shapes, load_format=fmt)
+            except Exception as e:  # noqa: BLE001
+                raise _weights_error(f"Failed to receive weights: {e}") from None
+            return self._apply([bucket], body)
 
     def _destroy_group(self, body):
-        self._groups.pop(_field(body, "group_name", str, "weight_update_group"), None)
-        return 200, {"success": True, "message": "destroyed"}
+        name = _field(body, "group_name", str, "weight_update_group")
+        group = self._groups.pop(name, None)
+        if group is None:
+            raise _weights_error("The group to be destroyed does not exist.")
+        weight_group.destroy_weight_group(group)
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    # ---- control --------------------------------------------------------------------------------------
 
     def _flush_cache(self, body):
-        return 200, {"success": True, "message": "nothing cached across requests"}
+        if self.queue.busy:
+            return 400, "Flush cache failed.\n"
+        return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                     "waiting requests, the operation will not be performed.)\n")
+
+    def _tags(self, body) -> List[str]:
+        tags = _field(body, "tags", list, None) or ["kv_cache", "weights", "cuda_graph"]
+        unknown = [t for t in tags if t not in ("kv_cache", "weights", "cuda_graph")]
+        if unknown:
+            raise _request_error(f"unknown memory tags {unknown}: expected 'kv_cache', 'weights', 'cuda_graph'")
+        return tags
 
     def _release(self, body):
+        tags = self._tags(body)
+        if self.queue.busy and not self.engine.paused:
+            raise _request_error("release_memory_occupation should be called only when server is idle.")
+        self._released |= set(tags)
         self.engine.release_memory()
-        return 200, {"success": True, "message": "released"}
+        return 200, None
 
     def _resume(self, body):
-        self.engine.resume_memory()
-        return 200, {"success": True, "message": "resumed"}
+        tags = self._tags(body)
+        missing = [t for t in tags if t not in self._released]
+        if missing:  # SGLang: offload_tags.remove(tag) raises KeyError
+            raise _request_error(f"{missing[0]!r}: memory of this tag was not released")
+        self._released -= set(tags)
+        if not self._released:
+            self.engine.resume_memory()
+        return 200, None
 
     def _pause(self, body):
         mode = _field(body, "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
-            raise HTTPError(400, f"mode={mode!r}: expected 'abort', 'retract' or 'in_place'", "mode")
+            raise _validation_error("mode", "Input should be 'abort', 'retract' or 'in_place'", mode)
         self.queue.pause()
         self.engine.pause()
         if mode == "abort":
             self.engine.abort(abort_all=True)
-            self.queue.abort_queued(None, abort_all=True)
-        return 200, {"success": True, "message": f"paused ({mode})"}
+            self.queue.abort(None, abort_all=True)
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def _continue(self, body):
         self.engine.continue_generation()
         self.queue.resume()
-        return 200, {"success": True, "message": "continued"}
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def _abort(self, body):
-        rid = _field(body, "rid", (str, type(None)), None)
+        rid = _field(body, "rid", str, None)
         abort_all = _field(body, "abort_all", bool, False)
-        if rid is None and not abort_all:
-            raise HTTPError(400, "give a rid or abort_all=true", "rid")
-        self.engine.abort(rid, abort_all)
-        self.queue.abort_queued(rid, abort_all)
-        return 200, {"success": True, "message": "aborted"}
+        self.engine.abort(rid or None, abort_all)
+        self.queue.abort(rid or None, abort_all)
+        return 200, None
 
     def _set_version(self, body):
-        version = _field(body, "new_version", (str, int))
-        if body.get("abort_all_requests"):
+        version = _field(body, "new_version", str)
+        if _field(body, "abort_all_requests", bool, True):
             self.engine.abort(abort_all=True)
+            self.queue.abort(None, abort_all=True)
         self.engine.update_weight_version(version)
-        return 200, {"success": True, "message": f"weight_version={self.engine.weight_version}"}
+        return 200, {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+
+def _health_params():
+    from megatron_rl.rollout.protocol import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=1)
 
 
 def _make_handler(server: EmbeddedServer):
@@ -391,32 +480,50 @@ def _make_handler(server: EmbeddedServer):
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _send(self, status: int, payload: Any) -> None:
-            data = json.dumps(payload).encode()
+            if isinstance(payload, str):  # SGLang answers /flush_cache with text
+                data, kind = payload.encode(), "text/plain; charset=utf-8"
+            else:
+                data, kind = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
 
+        def _body(self) -> Any:
+            raw_length = self.headers.get("Content-Length")
+            try:
+                length = int(raw_length or 0)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True
+                raise HTTPError(400, {"detail": f"Invalid Content-Length header: {raw_length!r}"})
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise HTTPError(413, {"detail": f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"})
+            raw = self.rfile.read(length) if length else b""
+            if len(raw) != length:
+                self.close_connection = True
+                raise HTTPError(400, {"detail": f"body shorter than its Content-Length ({len(raw)} < {length})"})
+            try:
+                return json.loads(raw) if raw.strip() else {}
+            except ValueError as e:
+                raise HTTPError(422, {"detail": [{"type": "json_invalid", "loc": ["body", e.pos if hasattr(e, "pos")
+                                                                                  else 0],
+                                                  "msg": f"JSON decode error: {e}"}]}) from None
+
         def _handle(self, method: str) -> None:
             path = self.path.split("?", 1)[0]
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw.strip() else {}
-                except ValueError as e:
-                    raise HTTPError(400, f"body is not valid JSON: {e}", "body") from None
-                status, payload = server.dispatch(method, path, body)
+                status, payload = server.dispatch(method, path, self._body())
             except HTTPError as e:
-                status, payload = e.status, dict(object="error", message=e.message, type=HTTPStatus(e.status).phrase,
-                                                 param=e.field, code=e.status)
+                status, payload = e.status, e.payload
             except EngineUnavailableError as e:
-                status, payload = 409, dict(object="error", message=str(e), type="Conflict", param=None, code=409)
+                status, payload = 400, {"error": {"message": str(e)}}
             except Exception as e:  # noqa: BLE001 - a bug must still answer, with its message
                 log.exception("error serving %s %s", method, path)
-                status, payload = 500, dict(object="error", message=f"{type(e).__name__}: {e}",
-                                            type="InternalServerError", param=None, code=500)
+                status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
             try:
                 self._send(status, payload)
             except (BrokenPipeError, ConnectionResetError):
@@ -428,6 +535,9 @@ def _make_handler(server: EmbeddedServer):
         def do_POST(self):
             self._handle("POST")
 
+        def do_PUT(self):
+            self._handle("PUT")
+
     return Handler
 
 
@@ -436,20 +546,28 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--model-path", required=True, help="HF model directory (config.json + weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on start)")
-    p.add_argument("--logprob-mode", default="raw", choices=["raw", "processed"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-seed", type=int, default=0, help="the engine's own sampling stream")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour sampling_seed (shared by a request's n children; 42 when absent), as SGLang does")
     p.add_argument("--max-batch-rows", type=int, default=64)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-n", type=int, default=ServerLimits.max_n)
+    p.add_argument("--max-request-rows", type=int, default=ServerLimits.max_rows)
+    p.add_argument("--max-request-tokens", type=int, default=ServerLimits.max_tokens)
+    p.add_argument("--health-timeout", type=float, default=20.0, help="seconds without progress before /health is 503")
     args = p.parse_args(argv)
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = EmbeddedEngine.from_pretrained(
-        args.model_path, EmbeddedEngineConfig(logprob_mode=args.logprob_mode, seed=args.seed,
-                                              max_batch_rows=args.max_batch_rows),
+        args.model_path, EmbeddedEngineConfig(seed=args.random_seed, max_batch_rows=args.max_batch_rows,
+                                              seeds="deterministic" if args.enable_deterministic_inference
+                                              else "ignored"),
         dtype=weight_group.dtype_from_name(args.dtype))
     torch.set_grad_enabled(False)
-    server = EmbeddedServer(engine, args.host, args.port)
+    server = EmbeddedServer(engine, args.host, args.port, ServerLimits(args.max_n, args.max_request_rows,
+                                                                       args.max_request_tokens),
+                            health_timeout_s=args.health_timeout, model_path=args.model_path)
     print(f"embedded server listening on {server.url}", flush=True)
     try:
         server.serve_forever()

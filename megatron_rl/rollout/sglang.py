@@ -8,8 +8,9 @@ Flags worth knowing for RL (all in ``SGLangServerConfig``):
 * ``enable_return_routed_experts`` -> ``--enable-return-routed-experts`` (MoE routing replay);
 * ``enable_memory_saver`` -> ``--enable-memory-saver``, needed for ``/release_memory_occupation`` in
   colocated mode;
-* ``sampling_backend="pytorch"``: SGLang's flashinfer sampler refuses ``sampling_seed``; seeded,
-  reproducible rollouts need the pytorch backend.
+* ``enable_deterministic_inference`` -> ``--enable-deterministic-inference``: without it SGLang ignores
+  ``sampling_seed`` whatever the sampling backend (``srt/sampling/sampling_batch_info.py``), so seeded,
+  reproducible rollouts need it (it also refuses ``min_p > 0`` and costs some speed: batch-invariant kernels).
 Log-prob convention of SGLang's ``output_token_logprobs``: see ``protocol.py`` ("raw").
 """
 
@@ -42,7 +43,8 @@ class SGLangServerConfig:
     skip_tokenizer_init: bool = True  # we send token ids and read token ids back
     enable_return_routed_experts: bool = False
     enable_memory_saver: bool = False
-    sampling_backend: Optional[str] = None  # "pytorch" for sampling_seed support; None = SGLang's choice
+    sampling_backend: Optional[str] = None  # None = SGLang's choice
+    enable_deterministic_inference: bool = False  # honour sampling_seed (see the module doc)
     extra_args: Tuple[str, ...] = ()
     env: Dict[str, str] = field(default_factory=dict)
     python_executable: str = sys.executable
@@ -75,6 +77,8 @@ class SGLangServerConfig:
             args.append("--enable-memory-saver")
         if self.sampling_backend:
             args += ["--sampling-backend", self.sampling_backend]
+        if self.enable_deterministic_inference:
+            args.append("--enable-deterministic-inference")
         return args + list(self.extra_args)
 
 

@@ -2,22 +2,30 @@
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` protocol).
 
 Trainer rank 0 is rank 0 of a *separate* group (not the default ``torch.distributed`` world, which the
-engines are not part of): it hosts a ``TCPStore`` at ``master_address:master_port`` and each engine
-rank joins as ``rank_offset + tp_rank``. Tensors then go out one ``broadcast`` from rank 0 each, in the
-order of the ``names`` list both sides agree on. ``gloo`` works on CPU; ``nccl`` on GPUs.
+engines are not part of): it hosts a ``TCPStore`` at ``master_address:master_port`` and engine rank
+``rank_offset + tp_rank`` of each server joins it. Every rank builds the group exactly as SGLang 0.5.23's
+``sglang.srt.utils.common.init_custom_process_group`` does -- ``PrefixStore(group_name, store)``, then
+``torch.distributed.distributed_c10d._new_process_group_helper`` (which prefixes ``group_name/`` and the
+device again), then ``_world.pg_group_ranks[pg] = identity`` -- so both sides wait on the same store keys
+(``/G/G//cpu//0/0`` for gloo). A group built any other way (``ProcessGroupGloo(PrefixStore(G, store))``
+waits on ``/G/0/1``) never meets SGLang's ranks.
 
-The group is built directly from a store (``ProcessGroupGloo(store, rank, size)``) rather than through
-``dist.new_group``, which would require every process of the default world to take part. Hence the
-raw ``ProcessGroup.broadcast`` calls below instead of ``dist.broadcast``.
+Tensors then go out from rank 0 in the order of the announced ``names``: one ``broadcast`` per tensor, or
+one per bucket with ``load_format="flattened_bucket"`` (SGLang's ``FlattenedTensorBucket``: the bucket's
+tensors as one ``uint8`` buffer, each at a byte offset aligned to its dtype). ``gloo`` works on CPU;
+``nccl`` on GPUs.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+FLATTENED = "flattened_bucket"  # SGLang's load_format for one-buffer buckets
 
 
 def host_store(master_address: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
@@ -28,21 +36,36 @@ def host_store(master_address: str, world_size: int, timeout_s: float = 300.0) -
 
 
 def create_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
-                        backend: str = "gloo", group_name: str = "weight_sync",
+                        backend: str = "gloo", group_name: str = "weight_update_group",
                         timeout_s: float = 300.0, store: Optional[dist.TCPStore] = None) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) the weight-sync group; blocks until all ``world_size`` ranks arrive.
-    Rank 0 may pass the ``store`` it already hosts (:func:`host_store`)."""
+    Rank 0 may pass the ``store`` it already hosts (:func:`host_store`). A ``group_name`` can exist once per
+    process: :func:`destroy_weight_group` it before re-creating it."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
     if not (0 <= rank < world_size):
         raise ValueError(f"rank={rank} outside world_size={world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+    if not group_name:
+        raise ValueError("group_name must not be empty (SGLang refuses it)")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout)
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+        # what torch's tcp:// rendezvous (SGLang's init_method) builds: the master hosts, the others connect
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout,
+                              multi_tenant=True)
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout,
+                                         device_id=None)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_group(group: Optional[dist.ProcessGroup]) -> None:
+    """Forget ``group`` (its name becomes free again); a no-op for None."""
+    if group is not None:
+        dist.destroy_process_group(group)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -56,23 +79,63 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def broadcast_bucket(group: dist.ProcessGroup, bucket: Sequence[Tuple[str, torch.Tensor]]) -> None:
-    """Trainer side (rank 0): send every tensor of the bucket, in order."""
-    for _, tensor in bucket:
-        group.broadcast(tensor.detach().contiguous(), 0).wait()
+def can_flatten(bucket: Sequence[Tuple[str, torch.Tensor]]) -> bool:
+    """Whether SGLang's ``FlattenedTensorBucket.empty`` accepts the bucket's layout: every tensor's byte offset
+    must be a multiple of its dtype's size (always true when the bucket has one dtype)."""
+    offset = 0
+    for _, t in bucket:
+        if offset % t.element_size():
+            return False
+        offset += t.numel() * t.element_size()
+    return bool(bucket)
+
+
+def flatten(bucket: Sequence[Tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bucket as one contiguous ``uint8`` buffer in announce order (SGLang's ``FlattenedTensorBucket``)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+def broadcast_bucket(group: dist.ProcessGroup, bucket: Sequence[Tuple[str, torch.Tensor]],
+                     load_format: Optional[str] = None) -> None:
+    """Trainer side (rank 0): send the bucket as announced (blocking)."""
+    for work in broadcast_bucket_async(group, bucket, load_format):
+        work.wait()
+
+
+def broadcast_bucket_async(group: dist.ProcessGroup, bucket: Sequence[Tuple[str, torch.Tensor]],
+                           load_format: Optional[str] = None) -> List[dist.Work]:
+    """Trainer side (rank 0): start sending the bucket; the returned works complete when it is sent."""
+    tensors = [flatten(bucket)] if load_format == FLATTENED else [t.detach().contiguous() for _, t in bucket]
+    return [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
 
 
 def receive_bucket(group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[str],
-                   shapes: Sequence[Sequence[int]], device: str = "cpu") -> List[Tuple[str, torch.Tensor]]:
-    """Engine side: receive the tensors announced by ``names``/``dtypes``/``shapes``, in order."""
+                   shapes: Sequence[Sequence[int]], device: str = "cpu",
+                   load_format: Optional[str] = None) -> List[Tuple[str, torch.Tensor]]:
+    """Engine side: receive the tensors announced by ``names``/``dtypes``/``shapes``, in order (what SGLang's
+    ``receive_weights_from_distributed`` does, plain or ``flattened_bucket``)."""
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-    out = []
-    for name, dt, shape in zip(names, dtypes, shapes):
-        t = torch.empty(tuple(int(s) for s in shape), dtype=dtype_from_name(dt), device=device)
-        group.broadcast(t, 0).wait()
-        out.append((name, t))
-    return out
+    if load_format not in (None, FLATTENED):
+        raise ValueError(f"load_format={load_format!r}: expected None or {FLATTENED!r}")
+    specs = [(n, dtype_from_name(d), tuple(int(s) for s in shape)) for n, d, shape in zip(names, dtypes, shapes)]
+    if load_format != FLATTENED:
+        out = [(n, torch.empty(shape, dtype=dt, device=device)) for n, dt, shape in specs]
+        for work in [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in out]:
+            work.wait()
+        return out
+    offsets, total = [], 0
+    for n, dt, shape in specs:
+        if total % dt.itemsize:
+            raise ValueError(f"Unaligned received tensor {n}: byte offset {total}, dtype {dt}")
+        offsets.append(total)
+        total += math.prod(shape) * dt.itemsize
+    if not specs:
+        raise ValueError("Cannot create empty tensor bucket")
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0, group=group)
+    return [(n, buffer[o:o + math.prod(shape) * dt.itemsize].view(dt).reshape(shape))
+            for (n, dt, shape), o in zip(specs, offsets)]
 
 
 def bucket_metadata(bucket: Iterable[Tuple[str, torch.Tensor]]) -> dict:

@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -70,17 +71,18 @@ class WeightSyncConfig:
 
     bucket_mb: float = 512.0
     check: bool = True
-    check_tolerance: float = 1e-4
+    check_tolerance: Optional[float] = None  # None: 1e-4 for a float32 engine, 0.25 for bf16 / fp16 ones
     probe_length: int = 256
     probe_seed: int = 0
     engine_dtype: Optional[str] = None  # None: an EmbeddedEngine's own dtype, else the trainer's params dtype
     progress: bool = True  # tqdm bar on the sender (bytes sent)
+    replay_routing: bool = False  # MoE: the trainer's probe forward replays each engine's routing of the probe
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb!r}: expected a size in MiB > 0 (e.g. 512)")
         tol = self.check_tolerance
-        if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
+        if tol is not None and not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
             raise ValueError(f"weight_sync.check_tolerance={tol!r}: expected a finite number > 0 "
                              "(1e-4 for fp32 engines, ~0.1 for bf16)")
         if not isinstance(self.probe_length, int) or self.probe_length < 2:
@@ -94,6 +96,11 @@ class WeightSyncConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * MiB))
+
+    def tolerance(self, engine_dtype: torch.dtype) -> float:
+        if self.check_tolerance is not None:
+            return float(self.check_tolerance)
+        return 1e-4 if engine_dtype in (torch.float32, torch.float64) else 0.25
 
 
 @dataclass
@@ -208,9 +215,11 @@ def _drain(it: Iterator) -> int:
 
 
 def probe_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
-    """``[length]`` int64 pseudo-random token ids, the same on every rank and every run for one seed."""
+    """``[length]`` int64 pseudo-random token ids in ``[0, vocab_size - 1)``, the same on every rank and every
+    run for one seed. (SGLang reports prompt ids ``>= vocab_size - 1`` as 0 in ``input_token_logprobs``, so
+    the answer could not be matched to the probe.)"""
     g = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, int(vocab_size), (int(length),), generator=g)
+    return torch.randint(0, int(vocab_size) - 1, (int(length),), generator=g)
 
 
 def probe_length(config: WeightSyncConfig, built) -> int:
@@ -226,11 +235,12 @@ def probe_length(config: WeightSyncConfig, built) -> int:
     return n
 
 
-def trainer_probe_logprobs(built, ids: torch.Tensor) -> torch.Tensor:
+def trainer_probe_logprobs(built, ids: torch.Tensor, routes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[L - 1]`` float32 log-probs of ``ids[1:]`` (teacher-forced, temperature 1) under the Megatron
     model, returned on every rank. Collective: all ranks run the forward (MoE token dispatch crosses DP
     ranks); the last PP stage computes the log-probs from its ``[1, L, V_pad/TP]`` logits with
-    ``vocab_parallel_stats`` (padding columns excluded via ``vocab_size``) and broadcasts them over PP."""
+    ``vocab_parallel_stats`` (padding columns excluded via ``vocab_size``) and broadcasts them over PP.
+    ``routes`` (``[L, MoE layers, topk]``, an engine's routing of ``ids``): replayed in the routers."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_rl.ops import vocab_parallel_stats
@@ -254,10 +264,16 @@ def trainer_probe_logprobs(built, ids: torch.Tensor) -> torch.Tensor:
     def step(_data_iterator, model):
         return model(tokens, positions, attention_mask=None), loss_fn
 
+    replay = contextlib.nullcontext()
+    if routes is not None:
+        from megatron_rl.models.router import replay_routing
+
+        layers = [i for i, m in enumerate(built.arch.moe_layers) if m]
+        replay = replay_routing(built, {layer: routes[:, k].long() for k, layer in enumerate(layers)})
     was_training = built.module.training
     built.module.eval()  # no dropout; restored below so the trainer's mode is untouched
     try:
-        with torch.no_grad():
+        with torch.no_grad(), replay:
             get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[built.module],
                                         num_microbatches=1, seq_length=n, micro_batch_size=1, forward_only=True)
     finally:
@@ -334,6 +350,9 @@ class WeightSync:
         if self.is_sender and engine is None:
             raise ValueError(f"rank {self.rank} is the weight-sync sender (sender_rank={sender_rank}): give it the "
                              "rollout engine")
+        if self.config.replay_routing and not (built.arch.is_moe and built.tconfig.moe_enable_routing_replay):
+            raise ValueError("WeightSyncConfig.replay_routing needs an MoE model built with routing replay "
+                             "(ModelConfig.routing_replay=True)")
         self.dtype = _engine_dtype(self.config, engine, built)
         from megatron_rl.models import mapping
 
@@ -417,33 +436,61 @@ class WeightSync:
 
     def check(self, what: str = "") -> ProbeCheck:
         """Compare every engine replica's log-probs of the probe with the trainer's (collective). Also
-        useful before the first sync: the engine must have been started from the trainer's checkpoint."""
+        useful before the first sync: the engine must have been started from the trainer's checkpoint.
+
+        With ``config.replay_routing`` (MoE) the engines score the probe first and report their routing of
+        it; the trainer's probe forward replays each replica's routing in turn, so a bf16 engine's routing
+        flips (which move a token's log-prob by ~1) do not read as garbled weights."""
         start = time.perf_counter()
         error: Optional[BaseException] = None
         result = None
         try:
-            trainer = trainer_probe_logprobs(self.built, self.probe)
+            if self.config.replay_routing:
+                replicas = self._engine_probe_with_routes()
+                trainers = [trainer_probe_logprobs(self.built, self.probe, routes) for _, routes in replicas]
+            else:
+                replicas, trainers = None, None
+                trainer = trainer_probe_logprobs(self.built, self.probe)
         except Exception as e:  # noqa: BLE001
-            error, trainer = e, None
+            error = e
         if self.is_sender and error is None:
             try:
-                result = self._compare(trainer, what)
+                if replicas is None:
+                    replicas = [(lp, None) for lp in self.engine.prompt_logprobs(self.probe.tolist())]
+                    trainers = [trainer] * len(replicas)
+                result = self._compare(trainers, [lp for lp, _ in replicas], what)
             except Exception as e:  # noqa: BLE001
                 error = e
         if result is not None:
             result.seconds = time.perf_counter() - start
         return self._agree(error, result)
 
-    def _compare(self, trainer: torch.Tensor, what: str) -> ProbeCheck:
-        replicas = self.engine.prompt_logprobs(self.probe.tolist())
+    def _engine_probe_with_routes(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Every replica's ``(log-probs, routing)`` of the probe, on every rank (the sender asks, then broadcasts
+        them: every rank's probe forward replays them). An engine failure is raised on every rank."""
+        answer: List[Any] = [None]
+        if self.is_sender:
+            try:
+                answer[0] = ("ok", [(torch.as_tensor(lp).float().cpu(), torch.as_tensor(r).cpu())
+                                    for lp, r in self.engine.prompt_logprobs_and_routes(self.probe.tolist())])
+            except Exception as e:  # noqa: BLE001 - sent to every rank
+                answer[0] = ("error", f"{type(e).__name__}: {e}")
+        if self.world > 1:
+            dist.broadcast_object_list(answer, src=self.sender_rank, group=self.group)
+        kind, payload = answer[0]
+        if kind == "error":
+            raise WeightSyncError(f"the engine could not score the probe with its routing: {payload}")
+        return payload
+
+    def _compare(self, trainers: List[torch.Tensor], replicas: List[torch.Tensor], what: str) -> ProbeCheck:
         urls = [getattr(c, "url", None) for c in getattr(self.engine, "clients", [])]
         worst = None
-        for i, engine_lp in enumerate(replicas):
+        for i, (trainer, engine_lp) in enumerate(zip(trainers, replicas)):
             where = f"replica {i}" + (f" ({urls[i]})" if i < len(urls) and urls[i] else "")
             where = f"{type(self.engine).__name__} {where}" + (f" {what}" if what else "")
             try:
                 res = compare_logprobs(trainer, torch.as_tensor(engine_lp).float().cpu(),
-                                       self.config.check_tolerance, self.probe, where)
+                                       self.config.tolerance(self.dtype), self.probe, where)
             except WeightMismatchError as e:
                 e.replica = i
                 raise

@@ -51,6 +51,14 @@ class RoutingLayout:
         return cls(sum(bool(m) for m in arch.moe_layers), arch.moe_topk, arch.num_experts)
 
 
+def expert_layout(arch):
+    """The engines' view of an MoE model (:class:`~megatron_rl.rollout.protocol.ExpertLayout`): which decoder
+    layers route (SGLang's routed-experts rows cover every layer) and how many experts per token."""
+    from megatron_rl.rollout.protocol import ExpertLayout
+
+    return ExpertLayout(tuple(bool(m) for m in arch.moe_layers), arch.moe_topk)
+
+
 _W = torch.ones(1, dtype=torch.long)
 
 

@@ -10,7 +10,8 @@ Layout of ``root``::
 Contents: model weights and optimizer state (sharded tensors; every rank writes its own shards),
 the RNG states of every rank (a sharded object, restored only into the same layout), and in the common
 part (written once): step, skipped-step counter, LR and LR-schedule state (the length-surge state
-machine included), the parallel layout, and the driver's opaque ``extra`` dict (sampler position...).
+machine included), the parallel layout, the ``ModelConfig`` (``megatron-rl export`` rebuilds the model from
+it), and the driver's opaque ``extra`` dict (sampler position...).
 
 Atomicity: all ranks write into ``.tmp_iter_N``; every host fsyncs the files; rank 0 renames the
 directory to ``iter_N`` and then atomically replaces ``latest`` (write ``latest.tmp``, fsync,
@@ -36,6 +37,7 @@ needed a fix-up after loading, see :func:`_restore_adam_steps`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
@@ -215,6 +217,7 @@ def _trainer_state(trainer) -> Dict[str, Any]:
         "lr": trainer.lr,
         "schedule": None if trainer.schedule is None else trainer.schedule.state_dict(),
         "layout": _layout(trainer),
+        "model": dataclasses.asdict(trainer.built.cfg),  # what `megatron-rl export` rebuilds the model from
     }
 
 

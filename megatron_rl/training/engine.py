@@ -203,6 +203,7 @@ class PolicyTrainer:
             metrics["train/nonfinite_policy_tokens"] = float(n_bad)
         loss, metrics = self._from_last_stage((loss, metrics))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
+        metrics.update(self.schedule.metrics())  # the length-surge state (the run report plots it)
         metrics.update(self.routing.after_step(batch, tracker, metrics, routing_metrics))
         return StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not applied,
                           skipped_steps=self.skipped_steps, metrics=metrics)

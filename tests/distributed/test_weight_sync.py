@@ -159,10 +159,16 @@ def _transports_child(path):
             with torch.no_grad():
                 servers[1].engine.model.model.norm.weight.zero_()
         out["http_tampered"] = _mismatch(http.check)
-        # HTTP announce + gloo broadcast over the weight group
+        # HTTP announce + gloo broadcast over the weight group, to a server in its own process (as SGLang is: a
+        # group name exists once per process)
         remote = None
         if sender:
-            remote = RemoteEngine(clients[:1], weight_transport="distributed")
+            import os
+
+            from megatron_rl.rollout.process import launch_embedded_server
+
+            servers.append(launch_embedded_server(path, os.path.join(path, "server.log")))
+            remote = RemoteEngine([SGLangClient(servers[-1].url)], weight_transport="distributed")
             remote.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=60)
         out["distributed"] = WeightSync(built, remote, cfg).sync(version="d1").check.max_abs_diff
         # a bf16 engine: tensors cast on the trainer side (half the bytes), looser tolerance

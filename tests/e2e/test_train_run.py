@@ -13,10 +13,12 @@ import os
 import textwrap
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from megatron_rl.metrics import read_metrics
 
-from run_helpers import TINY_RECIPE, check_ok, quick_assets, run_cli, tiny_overrides
+from run_helpers import TINY_RECIPE, check_ok, nontrivial, quick_assets, run_cli, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -75,6 +77,23 @@ def test_cli_run_writes_metrics_checkpoint_tensorboard(tmp_path):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tensorboard"))
     assert (out / "hf_final" / "model.safetensors").is_file() and (out / "hf_final" / "config.json").is_file()
     assert "n_samples_per_prompt: 8" in (out / "config.yaml").read_text()
+    # the recipe's diagnostics: the gain decomposition of every trained step (§h), reward bits per episode (§i)
+    for m in trained:
+        assert abs(m["gain/remainder"]) <= 1.0 and m["gain/seq_kl"] >= 0
+        assert m["gain/slack"] == pytest.approx(m["gain/seq_kl"])  # the recipe's R_max = 1
+        assert m["gain/estimate"] == pytest.approx(m["gain/tangent"] + m["gain/remainder"])
+    assert all(0 <= m["reward/entropy_bits"] <= 1.0 for m in lines[1:])  # 0/1 rewards: at most one bit
+
+    # the run's report, its last checkpoint exported (bitwise the run's own HF export), and evaluated
+    check_ok(run_cli(["report", str(out)]))
+    for name in ("rewards.png", "mismatch.png", "bounds.png", "time.png", "throughput.png", "lr.png"):
+        assert nontrivial(out / "report" / name), name
+    check_ok(run_cli(["export", str(ckpt), str(out / "exported")]))
+    mine, theirs = (load_file(str(out / d / "model.safetensors")) for d in ("exported", "hf_final"))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    proc = run_cli(["eval", str(out), "eval.max_prompts=8", "eval.k=2", "--output", str(out / "eval.json")])
+    check_ok(proc)
+    assert "hf_final" in proc.stdout and json.loads((out / "eval.json").read_text())["datasets"]["eval"]["prompts"] == 8
 
 
 def test_resume_matches_the_uninterrupted_run(tmp_path, assets):

@@ -25,14 +25,15 @@ def tiny_qwen3(seed: int = 0, max_positions: int = 512):
     return model
 
 
-def tiny_qwen3_moe(seed: int = 0, max_positions: int = 512):
+def tiny_qwen3_moe(seed: int = 0, max_positions: int = 512, dense_layers: Tuple[int, ...] = ()):
+    """3 decoder layers, 8 experts top-2; ``dense_layers`` are plain MLPs (``mlp_only_layers``)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                          num_experts=8, num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions,
-                         eos_token_id=EOS, tie_word_embeddings=False)
+                         eos_token_id=EOS, tie_word_embeddings=False, mlp_only_layers=list(dense_layers))
     model = Qwen3MoeForCausalLM(cfg).eval()
     _sharpen(model, 25.0)
     return model

@@ -108,9 +108,10 @@ def test_dense_plus_sparse_equals_exact_gradient_on_enumerable_lm():
 def test_kl_estimators_and_placements():
     lp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=f64)
     ref = torch.tensor([[-1.5, -1.0, -30.0]], dtype=f64)
-    r = (lp - ref).clamp(-20, 20)
-    assert torch.equal(kl_per_token(lp, ref, "k1"), r)
-    torch.testing.assert_close(kl_per_token(lp, ref, "k2"), 0.5 * r ** 2)
+    raw = lp - ref  # k1/k2 never exponentiate: unclamped (§1.4); k3 clamps before exp
+    assert torch.equal(kl_per_token(lp, ref, "k1"), raw)
+    torch.testing.assert_close(kl_per_token(lp, ref, "k2"), 0.5 * raw ** 2)
+    r = raw.clamp(-20, 20)
     k3 = torch.exp(-r) - 1 + r
     torch.testing.assert_close(kl_per_token(lp, ref, "k3"), k3)
     torch.testing.assert_close(kl_per_token(lp, ref, "low_var"), k3.clamp(max=10))

@@ -35,6 +35,12 @@ REWARDS = textwrap.dedent("""
 
     def length_parity(response, label):
         return float(len(response) % 2)
+
+    def per_token(response, label, response_ids=()):  # a process reward: one value per response token
+        return [((7 * t + j) % 3) / 2 for j, t in enumerate(response_ids)]
+
+    def per_token_too_long(response, label, response_ids=()):
+        return [0.0] * (len(response_ids) + 1)
 """)
 
 
@@ -114,3 +120,51 @@ def test_seeded_rollouts_are_a_function_of_step_and_slot(setup):
     ids = lambda b: [s.response_ids for s in b.samples]  # noqa: E731
     assert ids(one) == ids(two) and ids(one) != ids(other)
     assert request_seed(0, 5, 0, 1) == request_seed(0, 5, 0, 1) != request_seed(0, 5, 1, 1)
+
+
+def _process_reward(ids):
+    return [((7 * t + j) % 3) / 2 for j, t in enumerate(ids)]
+
+
+def test_per_token_rewards_stay_per_token_end_to_end(setup):
+    """§i: a reward function returning one reward per response token (in a worker process) reaches the
+    advantages per token: with the return-to-go estimator and its context-only baseline b_t, every r_t is
+    recovered from A_t + b_t; the scalar (GRPO) path keeps only a constant per sequence."""
+    reward = RewardConfig(kind="custom", custom_fn=f"{setup['dir']}/rewards.py:per_token", num_workers=1,
+                          memory_limit_mb=None)
+    phase = _phase(setup, reward, prompts_per_step=4)
+    try:
+        batch = phase.collect(step=2, filter_groups=False)
+    finally:
+        phase.rewards.close()
+    samples = batch.samples
+    per_token = [t for g in batch.groups for t in g.token_rewards]
+    assert [list(t) for t in per_token] == [_process_reward(s.response_ids) for s in samples]
+    assert [x for g in batch.groups for x in g.rewards] == pytest.approx([sum(t) for t in per_token])
+    bits = batch.metrics["reward/entropy_bits"]
+    assert 0 < bits <= 2.0  # four samples per group: at most log2(4) bits
+    tb = train_batch(batch.groups)
+    rewards = [x for g in batch.groups for x in g.rewards]
+    adv, _ = compute_step_advantages(AdvantageConfig("rtg"), ObjectiveConfig(), tb, rewards, None,
+                                     imitation_only=False, per_token=per_token)
+    mask = tb.response_mask
+    r = token_rewards(mask, rewards, per_token).double()
+    G = r.flip(-1).cumsum(-1).flip(-1) * mask
+    gid = tb.group_ids
+    b = torch.zeros_like(G)  # the group's mean return over the members valid at t: a function of (prompt, t)
+    for g in gid.unique():
+        rows = gid == g
+        b[rows] = (G[rows] * mask[rows]).sum(0) / mask[rows].sum(0).clamp(min=1)
+    Gr = torch.where(mask, adv.double() + b, 0.0)
+    rec = Gr - torch.cat([Gr[:, 1:], torch.zeros(len(Gr), 1, dtype=Gr.dtype)], 1)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        torch.testing.assert_close(rec[i, :n], torch.tensor(per_token[i], dtype=rec.dtype), atol=1e-5, rtol=0)
+    scalar, _ = compute_step_advantages(AdvantageConfig("grpo", norm_by_std=False), ObjectiveConfig(), tb, rewards,
+                                        None, imitation_only=False, per_token=per_token)
+    row_const = [bool(torch.all(scalar[i, mask[i]] == scalar[i, mask[i]][0])) for i in range(len(samples))]
+    assert all(row_const)  # the scalar path: one number per sequence, the token structure is gone
+
+    bad = RewardConfig(kind="custom", custom_fn=f"{setup['dir']}/rewards.py:per_token_too_long", in_process=True)
+    with pytest.raises(ValueError, match="per-token rewards for a response of"):
+        _phase(setup, bad, prompts_per_step=1).collect(step=2, filter_groups=False)

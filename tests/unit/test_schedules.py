@@ -35,6 +35,19 @@ def test_length_surge_oracle():
     assert lrs[110 + 4 * 198] == pytest.approx(1e-7) and lrs[-1] == pytest.approx(1e-7)
 
 
+def test_length_surge_state_metrics():
+    s = LRSchedule(LRScheduleConfig(kind="length_surge", lr=1e-6, warmup_steps=10))
+    seen = []
+    for k in range(120):
+        s.step(_trace(k))
+        seen.append(s.metrics())
+    assert seen[5] == {"schedule/decaying": 0.0}  # still measuring the baseline
+    assert seen[100]["schedule/base_length"] == 1000.0 and seen[100]["schedule/decaying"] == 0.0
+    assert seen[100]["schedule/surge_threshold"] == pytest.approx(1000.0 * s.cfg.surge_factor)
+    assert seen[119]["schedule/decaying"] == 1.0
+    assert LRSchedule(LRScheduleConfig(kind="cosine", lr=1.0, total_steps=5)).metrics() == {}
+
+
 def test_resume_mid_decay_reproduces_the_sequence():
     cfg = LRScheduleConfig(kind="length_surge", lr=1.0, warmup_steps=10, patience=2)
     ref = LRSchedule(cfg)

@@ -1,8 +1,10 @@
 """Built-in reward functions. Each follows the reward protocol::
 
-    fn(response_text: str, label: Any, **sample_info) -> float
+    fn(response_text: str, label: Any, **sample_info) -> float | list[float]
 
-A wrong answer is a reward of 0.0, not an error. Raising is for "this sample cannot be scored" (e.g. a
+A list is a *per-token (process) reward*: one value per response token (``sample_info["response_ids"]``
+holds the tokens), kept per token through advantages and loss (math_spec §i); its sum is the sequence's
+reward in metrics, dynamic sampling and evaluation. A wrong answer is a reward of 0.0, not an error. Raising is for "this sample cannot be scored" (e.g. a
 gold answer that does not parse): the runner then marks the sample failed with the reason.
 """
 
@@ -55,6 +57,13 @@ def math_reward(response_text: str, label: Any, **_: Any) -> float:
     if not answer:
         return 0.0
     return 1.0 if verify(gold, answer, timeout_seconds=timeout) else 0.0
+
+
+def reward_value(value: Any) -> "float | tuple":
+    """A reward function's return value as a float, or a tuple of floats (per-token rewards)."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1):
+        return tuple(float(v) for v in (value.tolist() if hasattr(value, "tolist") else value))
+    return float(value)
 
 
 _WHITESPACE = re.compile(r"\s+")

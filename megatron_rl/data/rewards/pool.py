@@ -47,7 +47,7 @@ class Outcome:
     """What happened to one sample: a value, or a failure ``kind`` ("exception" | "timeout" |
     "worker_died") with a human-readable ``error``."""
 
-    value: Optional[float] = None
+    value: Optional[Any] = None  # a float, or a tuple of floats (per-token rewards)
     kind: Optional[str] = None
     error: Optional[str] = None
 

@@ -13,10 +13,11 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tqdm.auto import tqdm
 
+from megatron_rl.data.rewards.builtin import reward_value
 from megatron_rl.data.rewards.config import RewardConfig
 from megatron_rl.data.rewards.pool import Outcome, RewardWorkerPool
 from megatron_rl.data.rewards.resolve import build_reward_fn
@@ -30,7 +31,8 @@ FAILURE_KINDS = ("exception", "timeout", "non_finite", "worker_died")
 class RewardResult:
     """Per-sample rewards of one batch, in input order.
 
-    rewards: the reward, ``failure_reward`` where ``failed``.
+    rewards: the reward, ``failure_reward`` where ``failed`` (a per-token reward's sum).
+    token_rewards: per sample, the per-token rewards when the function returned a list, else None.
     reasons: ``None`` for a scored sample, else ``"<kind>: <detail>"`` with kind in :data:`FAILURE_KINDS`.
     stats:   ``reward/mean``, ``reward/failed``, ``reward/failed_<kind>``, ``reward/time_s``, ... (floats)
     """
@@ -39,6 +41,7 @@ class RewardResult:
     failed: List[bool]
     reasons: List[Optional[str]]
     stats: Dict[str, float]
+    token_rewards: Optional[List[Optional[Tuple[float, ...]]]] = None
 
 
 class RewardRunner:
@@ -91,7 +94,7 @@ class RewardRunner:
     def _run_in_process(self, task: tuple, bar: Any) -> Outcome:
         response, label, info = task
         try:
-            outcome = Outcome(value=float(self._fn(response, label, info)))
+            outcome = Outcome(value=reward_value(self._fn(response, label, info)))
         except Exception as exc:
             outcome = Outcome(kind="exception", error=f"{type(exc).__name__}: {exc}")
         bar.update(1)
@@ -100,11 +103,14 @@ class RewardRunner:
     def _collect(self, outcomes: List[Outcome], elapsed: float) -> RewardResult:
         rewards: List[float] = []
         reasons: List[Optional[str]] = []
+        per_token: List[Optional[Tuple[float, ...]]] = []
         for o in outcomes:
-            if o.kind is None and not math.isfinite(o.value):  # type: ignore[arg-type]
+            values = o.value if isinstance(o.value, tuple) else (o.value,)
+            if o.kind is None and not all(math.isfinite(v) for v in values):  # type: ignore[arg-type]
                 o = Outcome(kind="non_finite", error=f"reward function returned {o.value!r}")
             reasons.append(None if o.kind is None else f"{o.kind}: {o.error}")
-            rewards.append(self.config.failure_reward if o.kind is not None else float(o.value))  # type: ignore[arg-type]
+            per_token.append(o.value if o.kind is None and isinstance(o.value, tuple) else None)
+            rewards.append(self.config.failure_reward if o.kind is not None else float(sum(values)))  # type: ignore[arg-type]
         failed = [r is not None for r in reasons]
         kinds = Counter(r.split(":", 1)[0] for r in reasons if r is not None)
         n = len(outcomes)
@@ -119,7 +125,7 @@ class RewardRunner:
             stats["reward/worker_restarts"] = float(self._pool.restarts)
         self.total_samples += n
         self.total_failed += sum(failed)
-        return RewardResult(rewards, failed, reasons, stats)
+        return RewardResult(rewards, failed, reasons, stats, per_token if any(t is not None for t in per_token) else None)
 
     def _log_failures(self, result: RewardResult) -> None:
         n_failed = sum(result.failed)

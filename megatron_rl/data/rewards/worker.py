@@ -20,7 +20,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Optional
 
-from megatron_rl.data.rewards.builtin import WORKER_ENV
+from megatron_rl.data.rewards.builtin import WORKER_ENV, reward_value
 
 _MAX_ERROR_CHARS = 500
 
@@ -87,7 +87,7 @@ def worker_main(conn: Connection) -> None:
             return
         task_id, response, label, info = msg
         try:
-            reply = (task_id, float(fn(response, label, info)), None)
+            reply = (task_id, reward_value(fn(response, label, info)), None)
         except BaseException as exc:  # includes SystemExit from user code: report it, keep serving
             reply = (task_id, None, _describe(exc, config.memory_limit_mb))
         conn.send(reply)
