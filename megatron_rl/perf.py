@@ -9,7 +9,7 @@ Per step (:func:`step_metrics`, from the step's ``time/*`` and token metrics):
   trained tokens / (train time x trainer devices). (``perf/*_tokens_per_s`` of :mod:`megatron_rl.metrics`
   are the same without the device count.)
 * ``perf/trainer_idle_frac``, ``perf/engine_idle_frac``: 1 - busy / step time, where trainers are busy in
-  the log-prob, train, weight-sync and checkpoint phases and engines in rollout generation, weight sync
+  the log-prob, train, diagnostics, weight-sync and checkpoint phases and engines in rollout generation, weight sync
   and evaluation (an off-policy rollout overlaps training: its time counts as engine-busy).
 * ``perf/mfu``: model FLOPs of the step / (``time/step`` x all devices x device peak); model FLOPs are
   :class:`ModelFlops` forward FLOPs times 3 for the trained batch (forward + backward), times the number
@@ -169,7 +169,7 @@ def run_devices(cfg) -> Devices:
     return Devices(cfg.parallel.world_size, engines, r.placement == "colocated" and r.engine != "remote")
 
 
-TRAINER_PHASES = ("logprobs", "train", "weight_sync", "checkpoint")
+TRAINER_PHASES = ("logprobs", "train", "diagnostics", "weight_sync", "checkpoint")
 ENGINE_PHASES = ("rollout", "weight_sync", "eval")
 
 
@@ -198,7 +198,8 @@ def step_metrics(m: Mapping[str, float], flops: Optional[ModelFlops], devices: D
         if "rollout/seq_len_sq_sum" in m:
             tokens = m.get("rollout/prompt_tokens", 0.0) + m.get("rollout/response_tokens", 0.0)
             rollout = flops.forward(tokens, m["rollout/seq_len_sq_sum"])
-        trainer = m.get("perf/train_flops", 0.0) + m.get("perf/logprob_flops", 0.0)
+        # the trainer's passes: perf/train_flops, perf/logprob_flops, perf/diagnostics_flops, ...
+        trainer = sum(v for k, v in m.items() if k.startswith("perf/") and k.endswith("_flops"))
         figures["perf/model_tflop"] = (rollout + trainer) / 1e12
         if peak_flops:
             figures["perf/mfu"] = per(rollout + trainer, step * peak_flops, devices.total)

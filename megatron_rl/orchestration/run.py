@@ -330,8 +330,8 @@ class Run:
         with self.timer.phase("diagnostics"):
             new = self.trainers.forward(tb, self.cfg.objective_at(step))
             rewards = [x for g in batch.groups for x in g.rewards]
-            return gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
-                                      d.reward_max)
+            return {**gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
+                                         d.reward_max), "perf/diagnostics_flops": self._batch_flops(tb)}
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         with self.timer.phase("weight_sync"):
