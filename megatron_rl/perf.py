@@ -9,8 +9,8 @@ Per step (:func:`step_metrics`, from the step's ``time/*`` and token metrics):
   trained tokens / (train time x trainer devices). (``perf/*_tokens_per_s`` of :mod:`megatron_rl.metrics`
   are the same without the device count.)
 * ``perf/trainer_idle_frac``, ``perf/engine_idle_frac``: 1 - busy / step time, where trainers are busy in
-  the log-prob, train, diagnostics, weight-sync and checkpoint phases and engines in rollout generation, weight sync
-  and evaluation (an off-policy rollout overlaps training: its time counts as engine-busy).
+  the log-prob, train, diagnostics, weight-sync and checkpoint phases and engines in rollout generation,
+  weight sync and evaluation (an off-policy rollout overlaps training: its time counts as engine-busy).
 * ``perf/mfu``: model FLOPs of the step / (``time/step`` x all devices x device peak); model FLOPs are
   :class:`ModelFlops` forward FLOPs times 3 for the trained batch (forward + backward), times the number
   of forward-only passes for the log-prob passes (reference-model passes counted with the policy's

@@ -208,7 +208,8 @@ def main() -> None:
                             d["status"] == "ok" for d in res) else {"status": "OOM"}
                     except DistributedTestError as e:
                         msg = str(e)
-                        r = {"status": "OOM" if "memory" in msg.lower() or "died" in msg else "error", "detail": msg[-500:]}
+                        oom = "memory" in msg.lower() or "died" in msg
+                        r = {"status": "OOM" if oom else "error", "detail": msg[-500:]}
                     r.update(method=method, T=T, V=vocab, tp=tp, dtype=args.dtype, load_avg=os.getloadavg()[0],
                              **({"hidden": args.hidden} if method in ("f", "u") else {}))
                     rows.append(r)
@@ -234,7 +235,8 @@ def _print_table(rows) -> None:
 def _print_head_table(rows) -> None:
     gib = 2**30
     names = {"f": "f: fused head", "u": "u: matmul + a"}
-    print("| T | V | TP | H | method | fwd s | bwd s | total s | time vs u | peak extra GiB | vs u | working GiB | load |")
+    print("| T | V | TP | H | method | fwd s | bwd s | total s | time vs u | peak extra GiB | vs u | working GiB "
+          "| load |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     unfused = {(r["T"], r["V"], r["tp"]): r for r in rows if r["method"] == "u" and r["status"] == "ok"}
     for r in sorted(rows, key=lambda r: (r["V"], r["T"], r["tp"], r["method"] != "u")):
@@ -248,7 +250,8 @@ def _print_head_table(rows) -> None:
             t_rel = f"{r['total_s'] / base['total_s']:.2f}x"
             m_rel = f"{100 * r['peak_extra_bytes'] / base['peak_extra_bytes']:.1f} %"
         print(f"{head} {r['fwd_s']:.2f} | {r['bwd_s']:.2f} | {r['total_s']:.2f} | {t_rel} |"
-              f" {r['peak_extra_bytes'] / gib:.3f} | {m_rel} | {r['working_bytes'] / gib:.3f} | {r.get('load_avg', 0):.1f} |")
+              f" {r['peak_extra_bytes'] / gib:.3f} | {m_rel} | {r['working_bytes'] / gib:.3f} |"
+              f" {r.get('load_avg', 0):.1f} |")
 
 
 def _print_logits_table(rows) -> None:

@@ -43,8 +43,9 @@ MFU (both sides alike): the step's model FLOPs (megatron_rl.perf.ModelFlops: 2 x
 plus causal attention over each sequence) -- one forward over every generated sequence (prompt + completion),
 forward + backward (3x) over the trained batch, plus one forward for ours-decoupled's log-prob pass -- over
 step s x the device peak: on CPU the fp32 matmul rate of --threads threads, measured by
-megatron_rl.perf.device_peak_flops after the runs. One device per side (ours: one trainer with a colocated engine). Ours'
-own per-step ``perf/mfu`` (same definition, the trainer's measured peak) is kept in the JSON as a check.
+megatron_rl.perf.device_peak_flops after the runs. One device per side (ours: one trainer with a colocated
+engine). Ours' own per-step ``perf/mfu`` (same definition, the trainer's measured peak) is kept in the JSON as
+a check.
 
 Multi-node (--ray-nodes N, ours only): a local ``ray.cluster_utils.Cluster`` of N nodes with --cpus-per-node
 logical CPUs each (or the cluster at --address), world_size N (data parallel), one colocated engine per node:
@@ -508,8 +509,8 @@ def _fmt_row(label: str, r: Dict[str, Any], tokens: Dict[str, int], ref: Optiona
     cells = ["-" if v is None else f"{v:.2f}" for v in cols] + [f"{other:.2f}"]
     ratio = "-" if ref is None else f"{ref / r['step_s']:.2f}x"
     mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f} %"
-    return (f"| {label} | " + " | ".join(cells) + f" | **{r['step_s']:.2f}** | {tokens['completion'] / r['step_s']:.0f} | "
-            f"{tokens['total'] / r['step_s']:.0f} | {mfu} | {ratio} |")
+    return (f"| {label} | " + " | ".join(cells) + f" | **{r['step_s']:.2f}** | "
+            f"{tokens['completion'] / r['step_s']:.0f} | {tokens['total'] / r['step_s']:.0f} | {mfu} | {ratio} |")
 
 
 def main() -> None:

@@ -229,7 +229,8 @@ def section_ops(ctx: Ctx) -> dict:
     h64 = torch.randn(T, H, generator=g, dtype=torch.float64)
     # logits of std ~1.5 (|z| < 8): one bf16 rounding of a logit moves a log-prob by < 0.03
     w64 = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2
-    hr64, wr64 = torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2
+    hr64 = torch.randn(T, H, generator=g, dtype=torch.float64)
+    wr64 = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.2
     y = torch.randint(0, VS, (T,), generator=g)
     wts = [torch.randn(T, generator=g, dtype=torch.float64) for _ in range(3)]
     kw = dict(vocab_size=VS, temperature=0.8)
@@ -353,7 +354,8 @@ def section_engine(ctx: Ctx) -> dict:
         for s in samples:
             lp = engine.prompt_logprobs(list(s.prompt_ids) + list(s.response_ids))[0]
             diff = max(diff, (lp[len(s.prompt_ids) - 1:] - torch.tensor(s.logprobs)).abs().max().item())
-        out[str(dtype)[6:]] = {"samples": len(samples), "tokens_per_s": sum(len(s.response_ids) for s in samples) / seconds,
+        generated = sum(len(s.response_ids) for s in samples)
+        out[str(dtype)[6:]] = {"samples": len(samples), "tokens_per_s": generated / seconds,
                                "max_abs_logprob_diff_generate_vs_recompute": diff, "tolerance": tol,
                                "ok": tol is None or diff <= tol}
         del engine

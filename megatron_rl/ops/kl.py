@@ -118,7 +118,8 @@ class _VocabParallelKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, shard: sh.Shard, direction: str, temperature: float, chunk: int, with_tv: bool):
+    def forward(ctx, logits, ref_logits, shard: sh.Shard, direction: str, temperature: float, chunk: int,
+                with_tv: bool):
         nv = shard.n_valid
         x = logits.reshape(-1, shard.v_local)[:, :nv]
         xr = ref_logits.reshape(-1, shard.v_local)[:, :nv]

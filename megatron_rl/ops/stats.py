@@ -128,7 +128,8 @@ def finish_forward(rec: torch.Tensor, thr: Optional[float]):
     sk_full = rec[SK] + torch.where(target_kept, torch.zeros_like(e_y), e_y)
     pruned = zy - sk_full.log()
     kept_mass = rec[SK] / s
-    return (logprobs, entropy, sum_pi_sq, pruned, kept_mass, target_kept), (rec[M], s, entropy, sk_full, target_kept, e_y)
+    outs = (logprobs, entropy, sum_pi_sq, pruned, kept_mass, target_kept)
+    return outs, (rec[M], s, entropy, sk_full, target_kept, e_y)
 
 
 def grad_coefficients(saved, owned, g_lp, g_h, g_pl, cd):

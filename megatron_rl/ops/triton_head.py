@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.ops import _shard as sh
-from megatron_rl.ops.stats import M, S, SK
+from megatron_rl.ops.stats import M, S
 
 _BLOCK = 1024  # columns per tile (fp32 registers: 4 lanes per thread at 8 warps)
 

@@ -4,7 +4,8 @@ output layer's input instead of its logits.
 Megatron's ``GPTModel`` ends with ``output_layer`` (a ``ColumnParallelLinear``: the input region op,
 then ``hidden @ W_local^T``). Inside :func:`hidden_states_out` that layer returns its input after the
 same region op instead: the all-gather over sequence parallelism (backward: reduce-scatter), or the
-identity whose backward all-reduces over TP (:class:`_SumGradOverTP`). The model's output is then ``[b, s, H]`` and the loss
+identity whose backward all-reduces over TP (:class:`_SumGradOverTP`). The model's output is then
+``[b, s, H]`` and the loss
 computes every statistic with :func:`megatron_rl.ops.vocab_parallel_linear_stats` /
 :func:`~megatron_rl.ops.vocab_parallel_linear_kl` from it and :func:`output_weight` (the embedding under
 tied embeddings, also on the last pipeline stage's copy). Gradients reach ``W`` through autograd, so

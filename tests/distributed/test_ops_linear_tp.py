@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.ops import vocab_parallel_kl, vocab_parallel_linear_kl, vocab_parallel_linear_stats, vocab_parallel_stats
+from megatron_rl.ops import (vocab_parallel_kl, vocab_parallel_linear_kl, vocab_parallel_linear_stats,
+                             vocab_parallel_stats)
 from megatron_rl.testing import run_distributed
 from ops_reference import ref_kl, ref_stats
 
@@ -43,7 +44,8 @@ def _w(shape, seed):
 
 
 def _loss(st, kl, fkl, min_p):
-    loss = (st.logprobs.double() * _w(st.logprobs.shape, 0)).sum() + (st.entropy.double() * _w(st.logprobs.shape, 1)).sum()
+    shape = st.logprobs.shape
+    loss = (st.logprobs.double() * _w(shape, 0)).sum() + (st.entropy.double() * _w(shape, 1)).sum()
     loss = loss + (kl.double() * _w(kl.shape, 3)).sum() + (fkl.double() * _w(kl.shape, 4)).sum()
     if min_p is not None:
         loss = loss + (st.pruned_logprobs.double() * _w(st.logprobs.shape, 2)).sum()
