@@ -31,7 +31,8 @@ setup(
         "matplotlib>=3.7",  # `megatron-rl report` and tools/mismatch_report.py
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        # triton: its interpreter runs the fused head's GPU kernels on CPU (tests/unit/test_triton_head.py)
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "triton>=3.2"],
         "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23"],
         # tools/bench_rl_step.py only (the TRL GRPOTrainer side of the comparison); adds accelerate
         "bench": ["trl==1.16.0"],

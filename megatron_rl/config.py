@@ -28,6 +28,7 @@ from megatron_rl.launch.slurm import SlurmConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
 from megatron_rl.parallel import ParallelLayout
+from megatron_rl.profiling import ProfileConfig
 from megatron_rl.rollout.weight_sync import WeightSyncConfig
 from megatron_rl.training.config import OptimConfig, TrainConfig
 
@@ -395,6 +396,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # torch-profiler traces of chosen steps
     slurm: Optional[SlurmConfig] = None  # read by `megatron-rl slurm`; ignored by the run itself
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
     from megatron_rl.config_files import check_files
 
     problems: List[str] = []
-    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs] + ([_paths] if files else [])
+    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs, _profile] + ([_paths] if files else [])
     for check in checks:
         check(cfg, problems)
     if files:
@@ -43,6 +43,18 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the directory")
     if problems:
         raise ConfigError(problems)
+
+
+def _profile(cfg: RunConfig, out: List[str]) -> None:
+    p = cfg.profile
+    late = [s for s in p.steps if s > cfg.steps]
+    if late:
+        out.append(f"profile.steps={p.steps}: step(s) {late} come after the last step (steps={cfg.steps}); "
+                   "list steps in [1, steps]")
+    ranks = [r for r in p.trainer_ranks if r >= cfg.parallel.world_size]
+    if p.steps and ranks:
+        out.append(f"profile.trainer_ranks={p.trainer_ranks}: rank(s) {ranks} do not exist with "
+                   f"parallel.world_size={cfg.parallel.world_size}; use ranks in [0, {cfg.parallel.world_size - 1}]")
 
 
 def _parallel(cfg: RunConfig, out: List[str]) -> None:

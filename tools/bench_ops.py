@@ -6,15 +6,20 @@ Methods (the loss is sum(w1 * logprob) + sum(w2 * entropy), so both gradients fl
   b  peers: megatron-core vocab_parallel_cross_entropy, then a separate vocab-parallel entropy
      autograd Function (verl's _VocabParallelEntropy recipe) over an fp32 copy of the logits
   c  unsharded torch: log_softmax + gather + entropy (TP=1 only)
+The output layer included (hidden states [T, H] and this rank's weight [V/TP, H] in, gradients of both out):
+  f  fused head: megatron_rl.ops.vocab_parallel_linear_stats (logits block by block, recomputed in backward)
+  u  unfused: logits = hidden @ W^T (materialised), then a (ours)
 
 Each (method, T, V, TP) runs in fresh processes (gloo, one per TP rank; 2 CPU threads in total).
 Memory: each rank resets its peak RSS (/proc/self/clear_refs) after the inputs exist, runs
 forward + backward, and reads VmHWM. "peak extra" = peak RSS - RSS with inputs; "working" = peak
-extra - the [T, V_local] gradient every method must return. Figures are per rank. An address-space
+extra - the gradients every method must return ([T, V_local] for a/b/c; [T, H] + [V_local, H] for f/u).
+Figures are per rank. An address-space
 limit turns cases that do not fit into "OOM" rows instead of waking the OOM killer.
 
   python tools/bench_ops.py                 # full grid, ~15 min on 2 cores
   python tools/bench_ops.py --quick         # small sizes, ~1 min
+  python tools/bench_ops.py --methods u,f --dtype float32   # fused vs unfused head, H = --hidden (1024)
 Writes a markdown table to stdout and JSON to --out (default bench_results/bench_ops.json).
 """
 
@@ -78,7 +83,15 @@ def _make_inputs(rows: int, v_local: int, dtype: torch.dtype, rank: int):
     return x.requires_grad_(), targets
 
 
-def _worker(method: str, rows: int, vocab: int, dtype_name: str, reps: int, mem_limit: int):
+def _make_head_inputs(rows: int, v_local: int, hidden: int, rank: int):
+    g = torch.Generator().manual_seed(2000 + rank)
+    h = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(3)) / hidden ** 0.5 * 3
+    w = torch.randn(v_local, hidden, generator=g)
+    targets = torch.randint(0, v_local * dist.get_world_size(), (rows,), generator=torch.Generator().manual_seed(7))
+    return h.requires_grad_(), w.requires_grad_(), targets
+
+
+def _worker(method: str, rows: int, vocab: int, dtype_name: str, reps: int, mem_limit: int, hidden: int = 1024):
     rank, world = dist.get_rank(), dist.get_world_size()
     resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
     group = dist.group.WORLD
@@ -87,24 +100,38 @@ def _worker(method: str, rows: int, vocab: int, dtype_name: str, reps: int, mem_
 
         init_megatron_parallel(ParallelLayout(tp=world))
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    from megatron_rl.ops import vocab_parallel_stats
+    from megatron_rl.ops import vocab_parallel_linear_stats, vocab_parallel_stats
 
     dtype = getattr(torch, dtype_name)
     v_local = vocab // world
     w1 = torch.randn(rows)
     w2 = torch.randn(rows)
     times_f, times_b, extras = [], [], []
+    head = method in ("f", "u")
     try:
-        x, targets = _make_inputs(rows, v_local, dtype, rank)
+        if head:
+            x, w, targets = _make_head_inputs(rows, v_local, hidden, rank)
+            x, w = x.to(dtype).detach().requires_grad_(), w.to(dtype).detach().requires_grad_()
+        else:
+            x, targets = _make_inputs(rows, v_local, dtype, rank)
         for _ in range(reps):
             x.grad = None
+            if head:
+                w.grad = None
             dist.barrier()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM (peak RSS) to the current RSS
             base = _rss_bytes("VmRSS")
             t0 = time.perf_counter()
+            tp_group = group if world > 1 else None
             if method == "a":
-                st = vocab_parallel_stats(x, targets, tp_group=group if world > 1 else None)
+                st = vocab_parallel_stats(x, targets, tp_group=tp_group)
+                lp, ent = st.logprobs, st.entropy
+            elif method == "f":
+                st = vocab_parallel_linear_stats(x, w, targets, tp_group=tp_group)
+                lp, ent = st.logprobs, st.entropy
+            elif method == "u":
+                st = vocab_parallel_stats(x @ w.t(), targets, tp_group=tp_group)
                 lp, ent = st.logprobs, st.entropy
             elif method == "b":
                 lp = -vocab_parallel_cross_entropy(x, targets)
@@ -123,7 +150,7 @@ def _worker(method: str, rows: int, vocab: int, dtype_name: str, reps: int, mem_
             times_f.append(t1 - t0)
             times_b.append(t2 - t1)
             del lp, ent, loss
-            if method == "a":
+            if method in ("a", "f", "u"):
                 del st
             elif method == "c":
                 del lsm
@@ -131,7 +158,7 @@ def _worker(method: str, rows: int, vocab: int, dtype_name: str, reps: int, mem_
         if "memory" in str(e).lower():
             return {"status": "OOM"}
         raise
-    grad_bytes = x.numel() * x.element_size()
+    grad_bytes = x.numel() * x.element_size() + (w.numel() * w.element_size() if head else 0)
     return {
         "status": "ok",
         "fwd_s": min(times_f),
@@ -151,8 +178,10 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--methods", default="a,b,c")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--append", action="store_true", help="add rows to --out's JSON (a grid run in pieces)")
     ap.add_argument("--reps", type=int, default=2, help="repetitions per case; the minimum is reported")
     ap.add_argument("--mem-limit-gib", type=float, default=21.0, help="address-space limit per case (all ranks)")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size H of the output-layer methods f, u")
     ap.add_argument("--quick", action="store_true", help="T=1024,4096 V=32768 only")
     ap.add_argument("--out", default="bench_results/bench_ops.json")
     args = ap.parse_args()
@@ -174,22 +203,58 @@ def main() -> None:
                     print(f"running {label} ...", file=sys.stderr, flush=True)
                     try:
                         res = run_distributed(_worker, tp, method, T, vocab, args.dtype, args.reps, limit,
-                                              timeout_s=1800, threads_per_rank=max(1, cores // tp))
+                                              args.hidden, timeout_s=7200, threads_per_rank=max(1, cores // tp))
                         r = max(res, key=lambda d: d.get("total_s", 0)) if all(
                             d["status"] == "ok" for d in res) else {"status": "OOM"}
                     except DistributedTestError as e:
                         msg = str(e)
-                        r = {"status": "OOM" if "memory" in msg.lower() or "died" in msg else "error", "detail": msg[-500:]}
-                    r.update(method=method, T=T, V=vocab, tp=tp, dtype=args.dtype)
+                        oom = "memory" in msg.lower() or "died" in msg
+                        r = {"status": "OOM" if oom else "error", "detail": msg[-500:]}
+                    r.update(method=method, T=T, V=vocab, tp=tp, dtype=args.dtype, load_avg=os.getloadavg()[0],
+                             **({"hidden": args.hidden} if method in ("f", "u") else {}))
                     rows.append(r)
-    _print_table(rows)
     out = Path(args.out)
+    if args.append and out.exists():
+        rows = json.loads(out.read_text())["rows"] + rows
+    _print_table(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cores": cores, "torch": torch.__version__, "rows": rows}, indent=2))
     print(f"\nwrote {out}", file=sys.stderr)
 
 
 def _print_table(rows) -> None:
+    lm = [r for r in rows if r["method"] in ("a", "b", "c")]
+    if lm:
+        _print_logits_table(lm)
+    head = [r for r in rows if r["method"] in ("f", "u")]
+    if head:
+        print()
+        _print_head_table(head)
+
+
+def _print_head_table(rows) -> None:
+    gib = 2**30
+    names = {"f": "f: fused head", "u": "u: matmul + a"}
+    print("| T | V | TP | H | method | fwd s | bwd s | total s | time vs u | peak extra GiB | vs u | working GiB "
+          "| load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    unfused = {(r["T"], r["V"], r["tp"]): r for r in rows if r["method"] == "u" and r["status"] == "ok"}
+    for r in sorted(rows, key=lambda r: (r["V"], r["T"], r["tp"], r["method"] != "u")):
+        head = f"| {r['T']} | {r['V']} | {r['tp']} | {r.get('hidden', '')} | {names[r['method']]} |"
+        if r["status"] != "ok":
+            print(f"{head} {r['status']} | | | | | | | {r.get('load_avg', 0):.1f} |")
+            continue
+        base = unfused.get((r["T"], r["V"], r["tp"]))
+        t_rel = m_rel = ""
+        if r["method"] == "f" and base is not None:
+            t_rel = f"{r['total_s'] / base['total_s']:.2f}x"
+            m_rel = f"{100 * r['peak_extra_bytes'] / base['peak_extra_bytes']:.1f} %"
+        print(f"{head} {r['fwd_s']:.2f} | {r['bwd_s']:.2f} | {r['total_s']:.2f} | {t_rel} |"
+              f" {r['peak_extra_bytes'] / gib:.3f} | {m_rel} | {r['working_bytes'] / gib:.3f} |"
+              f" {r.get('load_avg', 0):.1f} |")
+
+
+def _print_logits_table(rows) -> None:
     gib = 2**30
     names = {"a": "a: ours (fused, chunked)", "b": "b: megatron CE + peer entropy", "c": "c: unsharded torch"}
     print("| T | V | TP | method | fwd s | bwd s | total s | speed-up of a | peak extra GiB | working GiB |")

@@ -39,6 +39,14 @@ tokens/s: completion tok/s = prompts x group x new tokens / step s; total tok/s 
 (prompts x group x (prompt len + new tokens)) / step s. The load average before/after each run is printed
 (the numbers are only as good as the machine was quiet).
 
+MFU (both sides alike): the step's model FLOPs (megatron_rl.perf.ModelFlops: 2 x matmul parameters per token
+plus causal attention over each sequence) -- one forward over every generated sequence (prompt + completion),
+forward + backward (3x) over the trained batch, plus one forward for ours-decoupled's log-prob pass -- over
+step s x the device peak: on CPU the fp32 matmul rate of --threads threads, measured by
+megatron_rl.perf.device_peak_flops after the runs. One device per side (ours: one trainer with a colocated
+engine). Ours' own per-step ``perf/mfu`` (same definition, the trainer's measured peak) is kept in the JSON as
+a check.
+
 Multi-node (--ray-nodes N, ours only): a local ``ray.cluster_utils.Cluster`` of N nodes with --cpus-per-node
 logical CPUs each (or the cluster at --address), world_size N (data parallel), one colocated engine per node:
 the run places trainer i and engine i in bundle i of its placement group, so one of each per node. Per node:
@@ -316,6 +324,7 @@ def summarize_ours(res: Dict[str, Any], spec: Dict[str, Any]) -> Dict[str, Any]:
     phases["other"] = max(0.0, step - sum(phases.values()))
     out = {"phases": phases, "step_s": step, "steps_s": [h["time/step"] for h in timed],
            "rollout_tok_s": med("perf/rollout_tokens_per_s"), "train_tok_s": med("perf/train_tokens_per_s"),
+           "logged_mfu": med("perf/mfu"), "logged_tokens_per_s_per_gpu": med("perf/tokens_per_s_per_gpu"),
            "startup_s": hist[0].get("time/startup") if hist else None, "reward_mean": med("rollout/reward_mean")}
     if res.get("actor_nodes"):
         out["per_node"] = per_node(res, spec, step, phases["rollout"])
@@ -468,14 +477,40 @@ def run_side(side: str, spec: Dict[str, Any], tmp: str, timeout_s: float) -> Dic
     return res
 
 
+def step_flops(model_dir: str, args, decoupled: bool) -> float:
+    """Model FLOPs of one step (see the module docstring): every sequence is prompt_len + new_tokens long."""
+    from transformers import AutoConfig
+
+    from megatron_rl.models.config import HFArch
+    from megatron_rl.perf import ModelFlops
+
+    flops = ModelFlops.from_arch(HFArch.from_hf(AutoConfig.from_pretrained(model_dir)))
+    n, length = args.prompts * args.group, args.prompt_len + args.new_tokens
+    return (1 + 3 + decoupled) * flops.forward(n * length, n * length ** 2)
+
+
+def cpu_peak_flops(threads: int) -> float:
+    import torch
+
+    from megatron_rl.perf import device_peak_flops
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return float(device_peak_flops(torch.float32, torch.device("cpu"))["peak_flops"])
+    finally:
+        torch.set_num_threads(before)
+
+
 def _fmt_row(label: str, r: Dict[str, Any], tokens: Dict[str, int], ref: Optional[float]) -> str:
     p = r["phases"]
     cols = [p.get(k) for k in ("rollout", "reward", "logprobs", "train", "weight_sync")]
     other = p.get("other", 0.0) + p.get("engine_memory", 0.0) + p.get("advantages", 0.0)
     cells = ["-" if v is None else f"{v:.2f}" for v in cols] + [f"{other:.2f}"]
     ratio = "-" if ref is None else f"{ref / r['step_s']:.2f}x"
-    return (f"| {label} | " + " | ".join(cells) + f" | **{r['step_s']:.2f}** | {tokens['completion'] / r['step_s']:.0f} | "
-            f"{tokens['total'] / r['step_s']:.0f} | {ratio} |")
+    mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f} %"
+    return (f"| {label} | " + " | ".join(cells) + f" | **{r['step_s']:.2f}** | "
+            f"{tokens['completion'] / r['step_s']:.0f} | {tokens['total'] / r['step_s']:.0f} | {mfu} | {ratio} |")
 
 
 def main() -> None:
@@ -541,12 +576,15 @@ def main() -> None:
     tokens = {"completion": args.prompts * args.group * args.new_tokens,
               "total": args.prompts * args.group * (args.prompt_len + args.new_tokens)}
     results: Dict[str, Any] = {}
+    flops_by_size: Dict[str, Dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_rl_") as tmp:
         for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
             dims = SIZES[size]
             model = make_model(os.path.join(tmp, f"model_{size}"), dims["layers"], dims["hidden"], args.vocab)
             data = os.path.join(tmp, "prompts.jsonl")
             make_prompts(data, args.prompts, args.prompt_len, args.vocab)
+            flops_by_size[size] = {n: step_flops(model, args, n == "ours-decoupled")
+                                   for n in ("ours", "ours-decoupled", "trl")}
             for rep, (side, mode) in [(r, x) for r in range(args.repeats) for x in runs]:  # interleaved
                 name = side if mode in (None, "bypass") else f"ours-{mode}"
                 spec = dict(model=model, data=data, prompts=args.prompts, group=args.group,
@@ -568,14 +606,19 @@ def main() -> None:
                       f"{ {k: round(v, 3) for k, v in summary['phases'].items()} } "
                       f"(load {raw['load_before']} -> {raw['load_after']})", file=sys.stderr, flush=True)
     results = {size: {name: combine(reps) for name, reps in rows.items()} for size, rows in results.items()}
+    peak = cpu_peak_flops(args.threads)
+    for size, rows in results.items():
+        for name, r in rows.items():
+            r["model_flops_per_step"] = flops_by_size[size][name]
+            r["mfu"] = r["model_flops_per_step"] / (r["step_s"] * peak)
 
     print(f"\nGRPO step: {args.prompts} prompts x {args.group} completions, prompt {args.prompt_len} + "
           f"{args.new_tokens} new tokens (every completion full length), vocab {args.vocab}, micro-batch "
           f"{args.micro_batch}, fp32, {args.threads} torch threads per process, {os.cpu_count()} cores"
           + (f", ours on {args.ray_nodes} Ray nodes" if args.ray_nodes else "") + "\n")
     print("| size | run | rollout s | reward s | log-probs s | train s | weight sync s | other s | step s | "
-          "completion tok/s | total tok/s | speed vs TRL |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "completion tok/s | total tok/s | MFU | speed vs TRL |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size, rows in results.items():
         ref = rows.get("trl", {}).get("step_s")
         d = SIZES[size]
@@ -596,7 +639,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     import torch
 
+    print(f"MFU: model FLOPs per step / (step s x {peak / 1e9:.1f} GFLOP/s, the fp32 matmul peak of {args.threads} "
+          "thread(s) measured here)")
     out.write_text(json.dumps({"args": vars(args), "tokens_per_step": tokens, "cores": os.cpu_count(),
+                               "peak_flops": peak,
                                "torch": torch.__version__, "results": results}, indent=2))
 
 

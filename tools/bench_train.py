@@ -8,6 +8,8 @@ Suite ``uniform`` — 16 sequences x 256 tokens (64 prompt + 192 response), 4 mi
   ours TP=1      PolicyTrainer.train_step, 1 process x 2 threads (Megatron schedule, DDP, distributed Adam;
                  "plain Adam": the non-distributed Megatron optimizer)
   ours TP=2      the same on 2 gloo processes x 1 thread (tensor + sequence parallel)
+  ..., unfused head   train.fused_head=false: statistics from materialised logits (the default fused head
+                 computes them from the output layer's input, response positions only)
   HF + PG loss   transformers Qwen3ForCausalLM, 1 process x 2 threads, torch AdamW, the same objective
                  (megatron_rl.ops / objectives on the unsharded logits) with gradient accumulation
   HF + CE        the same HF step with plain cross-entropy on the response tokens
@@ -33,6 +35,7 @@ peak allocation), max over ranks; it includes the other cases' idle models.
 
   python tools/bench_train.py                  # every suite, vocab 8192, median of 3 steps after a warm-up
   python tools/bench_train.py --suite packing --steps 2
+  python tools/bench_train.py --suite uniform --vocab 152064 --rows "ours TP=1"   # rows whose name starts with it
 Writes markdown tables to stdout and JSON to --out (default bench_results/bench_train.json).
 """
 
@@ -79,7 +82,7 @@ def _timed(fn, steps: int):
     return statistics.median(times)
 
 
-def _ours(path: str, tp: int, vocab: int, steps: int, dist_opt: bool = True):
+def _ours(path: str, tp: int, vocab: int, steps: int, dist_opt: bool = True, fused_head: bool = True):
     import torch.distributed as dist
 
     from megatron_rl import parallel
@@ -87,7 +90,8 @@ def _ours(path: str, tp: int, vocab: int, steps: int, dist_opt: bool = True):
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(tp=tp))
-    trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(micro_batch_size=MICRO), groups,
+    trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(micro_batch_size=MICRO, fused_head=fused_head),
+                            groups,
                             OptimConfig(lr=1e-5, use_distributed_optimizer=dist_opt))
     batch = _batch(vocab)
     train = _timed(lambda: trainer.train_step(batch), steps)
@@ -296,6 +300,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median reported) after one warm-up")
     ap.add_argument("--suite", choices=("uniform", "packing", "tiny", "all"), default="all")
+    ap.add_argument("--rows", default="", help="uniform suite: comma list, only rows whose name starts with one")
     ap.add_argument("--out", default="bench_results/bench_train.json")
     args = ap.parse_args()
     result = {"vocab": args.vocab, "model": MODEL, "cores": os.cpu_count(), "torch": torch.__version__}
@@ -330,10 +335,15 @@ def _uniform_suite(tmp: str, args) -> list:
         ("ours TP=1", "1 proc x 2 threads", _ours, 1, (1,)),
         ("ours TP=1, plain Adam", "1 proc x 2 threads", _ours, 1, (1, False)),
         ("ours TP=2", "2 procs x 1 thread", _ours, 2, (2,)),
+        ("ours TP=1, unfused head", "1 proc x 2 threads", _ours, 1, (1, True, False)),
+        ("ours TP=2, unfused head", "2 procs x 1 thread", _ours, 2, (2, True, False)),
         ("HF + PG loss", "1 proc x 2 threads", _hf, 1, ("pg",)),
         ("HF + CE", "1 proc x 2 threads", _hf, 1, ("ce",)),
     ]
+    wanted = [w.strip() for w in args.rows.split(",") if w.strip()]
     for name, procs, fn, n, extra in runs:
+        if wanted and not any(name.startswith(w) for w in wanted):
+            continue
         if fn is _ours:
             r = run_distributed(fn, n, path, extra[0], args.vocab, args.steps, *extra[1:], threads_per_rank=2 // n,
                                 timeout_s=1800)[0]

@@ -1,9 +1,9 @@
 """Busy time of the rollout engines, seen from the driver, for the idle-fraction metrics.
 
 The engines work while at least one generation request of the driver is in flight and they are not paused
-(a partial-rollout publish holds requests without computing). ``engine_idle_frac`` of a step is one minus the
-busy time over the step's wall time; ``trainer_idle_frac`` is one minus the trainer phases' time (log-probs,
-train, weight sync) over it. Both are driver-side estimates: HTTP and queueing time count as busy.
+(a partial-rollout publish holds requests without computing). ``perf/engine_idle_frac`` of a step is one minus
+the busy time over the step's wall time (:func:`megatron_rl.perf.step_metrics`): a driver-side estimate, HTTP
+and queueing time count as busy.
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Dict, Iterator, Mapping
-
-TRAINER_PHASES = ("time/logprobs", "time/train", "time/weight_sync")
-
+from typing import Iterator
 
 class BusyMeter:
     """Wall time during which at least one tracked activity runs and the meter is not suspended."""
@@ -64,13 +61,3 @@ class BusyMeter:
         total = self.total()
         out, self._mark = total - self._mark, total
         return out
-
-
-def idle_fractions(metrics: Mapping[str, float], engine_busy_s: float) -> Dict[str, float]:
-    """``perf/engine_idle_frac`` and ``perf/trainer_idle_frac`` of a step from its timings."""
-    wall = metrics.get("time/step", 0.0)
-    if wall <= 0:
-        return {}
-    trainer = sum(metrics.get(k, 0.0) for k in TRAINER_PHASES)
-    return {"perf/engine_idle_frac": min(1.0, max(0.0, 1.0 - engine_busy_s / wall)),
-            "perf/trainer_idle_frac": min(1.0, max(0.0, 1.0 - trainer / wall))}

@@ -47,6 +47,7 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
             history.append(run.log(0, {**first, **run.evaluate(0)}))  # the baseline, before any update
             first = {}
         for step in range(run.start_step + 1, cfg.last_step + 1):
+            run.profile_start(step)  # profile.steps: torch-profiler traces of this step
             batch = run.batches.next_batch(step)  # rollout -> rewards -> dynamic-sampling filter
             metrics, first = {**first, **batch.metrics}, {}
             if batch.skipped:
@@ -68,6 +69,7 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
             stopping = stop.requested is not None
             saved = run.checkpoint(step, metrics, force=stopping)
             _fault_point("after_checkpoint", step)
+            run.profile_stop(step)
             history.append(run.log(step, metrics, batch))
             watch.update(step, metrics)
             if stopping:

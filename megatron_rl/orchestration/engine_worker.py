@@ -133,6 +133,25 @@ class EngineWorker:
         self.kill()
         return self.start(self.devices)
 
+    # ---- profiling (profile.steps) ---------------------------------------------------------------------
+
+    def start_profile(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
+        """The server's ``/start_profile`` writing into the directory ``path`` (SGLang's traces, or the embedded
+        server's one Chrome trace of its process)."""
+        self._post("/start_profile", {"output_dir": path, "record_shapes": record_shapes, "with_stack": with_stack})
+
+    def stop_profile(self) -> None:
+        self._post("/stop_profile", {})
+
+    def _post(self, path: str, body: dict) -> None:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(self.process.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()

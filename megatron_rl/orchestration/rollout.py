@@ -211,6 +211,8 @@ def rollout_metrics(generated: List[Group], kept: List[Group], rounds: int, time
         "rollout/response_tokens": float(sum(lengths)),
         "reward/entropy_bits": reward_entropy_bits([g.outcomes for g in generated]),  # §i: bits per episode
         "rollout/prompt_tokens": float(sum(len(g.record.prompt_ids) * len(g.samples) for g in generated)),
+        "rollout/seq_len_sq_sum": float(sum((len(g.record.prompt_ids) + len(s.response_ids)) ** 2
+                                            for g in generated for s in g.samples)),  # attention FLOPs (MFU)
         "reward/failed": float(sum(sum(g.failed) for g in generated)),
         **{f"time/{k}": v for k, v in times.items()},
         # the freshest possible is step - 1 (the weights trained through the previous step): 0 when synchronous

@@ -28,13 +28,12 @@ import os
 import shutil
 from typing import Any, Dict, Optional, Tuple
 
-from megatron_rl import config_io
+from megatron_rl import config_io, perf
 from megatron_rl.config import RunConfig, dump_yaml
 from megatron_rl.config_checks import batch_unit
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
-from megatron_rl.orchestration.activity import idle_fractions
 from megatron_rl.orchestration.modes import OneStepRollouts, Rollouts
 from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
 
@@ -57,6 +56,7 @@ class Run:
         self.recovery = None  # the EngineMonitor, when engines are launched here and rollout.recovery.enabled
         self.colocation = None  # colocated placement with engines launched here
         self._closers = []
+        self._profiling: Optional[int] = None  # the step a profiler capture runs for
 
     # ---- start-up / tear-down ---------------------------------------------------------------------------
     def __enter__(self) -> "Run":
@@ -77,6 +77,7 @@ class Run:
         self._start_workers()
         if self.colocation is not None:  # the trainer's optimizer state to host memory before any rollout
             self.colocation.start()
+        self._start_perf()
         self._restore_or_check()
         self._prepare_output_dir()
         self.batches = self._rollout_mode()
@@ -229,6 +230,20 @@ class Run:
         model, cp = WorkModel.from_arch(load_arch(self.cfg.model.hf_path)), self.cfg.parallel.cp
         return lambda lengths: model(packed_lengths(torch.tensor(lengths), cp).tolist())
 
+    def _start_perf(self) -> None:
+        """What MFU needs: the model's FLOPs per token, the devices, the device peak (trainer rank 0's)."""
+        from megatron_rl.models.build import load_arch
+
+        cfg = self.cfg
+        self.flops = perf.ModelFlops.from_arch(load_arch(cfg.model.hf_path))
+        self.devices = perf.run_devices(cfg)
+        info = self.trainers.infos[0]
+        self.peak_flops = info.get("peak_flops")
+        if self.peak_flops:
+            logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
+                        self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,
+                        self.devices.engine, " (colocated)" if self.devices.colocated else "")
+
     def _restore_or_check(self) -> None:
         from megatron_rl.training.checkpoint import latest_checkpoint
 
@@ -365,10 +380,18 @@ class Run:
         with self.timer.phase("logprobs"):
             fwd = self.trainers.forward(tb, objective) if self._needs_forward(objective) else None
             ref = self.trainers.ref_logprobs(tb) if self.needs_ref_logprobs else None
+        # forward passes: the policy's (+ its reference model's logits) and the sample-KL reference's
+        passes = (0 if fwd is None else 1 + (self.cfg.train.reference_model is not None)) + (ref is not None)
+        flops = {"perf/logprob_flops": passes * self._batch_flops(tb)}
         if fwd is None:
-            return tb.replace(ref_logprobs=ref), None, {}
+            return tb.replace(ref_logprobs=ref), None, flops
         tb = tb.replace(old_logprobs=fwd.logprobs, ref_logprobs=ref, routing_disagreement=fwd.routing_disagreement)
-        return tb, fwd, {**batching.forward_metrics(tb, fwd, objective), **fwd.metrics}
+        return tb, fwd, {**batching.forward_metrics(tb, fwd, objective), **fwd.metrics, **flops}
+
+    def _batch_flops(self, tb) -> float:
+        """Forward FLOPs of the policy over the batch's sequences."""
+        lengths = tb.seq_lengths.tolist()
+        return self.flops.forward(float(sum(lengths)), perf.sum_sq(lengths))
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -399,6 +422,8 @@ class Run:
                "train/warmup": float(self.is_warmup(step))}
         if not result.skipped:  # a skipped step trained nothing: no loss to show
             out["train/loss"] = result.loss
+        ref = dataclasses.replace(self.cfg.train, objective=self.cfg.objective_at(step)).needs_reference_logits
+        out["perf/train_flops"] = (3 + ref) * self._batch_flops(tb)  # forward + backward (+ the reference's)
         out.update(result.metrics)
         return out
 
@@ -413,8 +438,8 @@ class Run:
         with self.timer.phase("diagnostics"):
             new = self.trainers.forward(tb, self.cfg.objective_at(step))
             rewards = [x for g in batch.groups for x in g.rewards]
-            return gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
-                                      d.reward_max)
+            return {**gain_decomposition(rewards, tb.group_ids, tb.old_logprobs, new.logprobs, tb.response_mask,
+                                         d.reward_max), "perf/diagnostics_flops": self._batch_flops(tb)}
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         memory: Dict[str, float] = {}
@@ -451,6 +476,35 @@ class Run:
                 cause = getattr(e, "cause", None) or e  # a Ray task error: the trainer's exception
                 logger.warning("weight sync v%s failed with an engine down (%s: %s); engines recovered, syncing again",
                                version, type(cause).__name__, (str(cause).strip().splitlines() or [""])[-1])
+
+    def profile_start(self, step: int) -> None:
+        """``profile.steps``: start torch-profiler captures on the chosen trainer ranks and the engines."""
+        p = self.cfg.profile
+        if step not in p.steps:
+            return
+        import ray
+
+        d = p.step_dir(self.cfg.output_dir, step)
+        opts = dict(record_shapes=p.record_shapes, with_stack=p.with_stack)
+        with self.timer.phase("profile"):
+            self.trainers.start_profile(p.trainer_ranks, lambda r: os.path.join(d, f"trainer_rank{r}.json"), **opts)
+            if p.engines:
+                ray.get([e.start_profile.remote(os.path.join(d, f"engine{i}"), **opts)
+                         for i, e in enumerate(self.placement.engines)])
+        self._profiling = step
+
+    def profile_stop(self, step: int) -> None:
+        if self._profiling != step:
+            return
+        import ray
+
+        p = self.cfg.profile
+        with self.timer.phase("profile"):
+            self.trainers.stop_profile(p.trainer_ranks)
+            if p.engines:
+                ray.get([e.stop_profile.remote() for e in self.placement.engines])
+        self._profiling = None
+        logger.info("step %d: profiler traces in %s", step, p.step_dir(self.cfg.output_dir, step))
 
     def evaluate(self, step: int) -> Dict[str, float]:
         e = self.cfg.eval
@@ -492,9 +546,11 @@ class Run:
 
         metrics = {**metrics, **self.timer.finish_step()}
         metrics.update(throughput(metrics, metrics))
-        metrics.update(idle_fractions(metrics, self.rollouts.meter.since_last()))
         if self.recovery is not None:
             metrics.update(self.recovery.metrics())
+        # engines' busy time measured by the driver (generation can overlap any phase)
+        metrics.update(perf.step_metrics(metrics, self.flops, self.devices, self.peak_flops,
+                                         engine_busy_s=self.rollouts.meter.since_last()))
         text = {}
         if batch is not None and batch.groups and self.cfg.logging.print_samples:
             g = batch.groups[0]

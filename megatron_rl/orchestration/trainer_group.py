@@ -181,6 +181,17 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self._call("save_hf", path)
 
+    # ---- profiling (not collective: only the chosen ranks) ---------------------------------------------
+    def start_profile(self, ranks: List[int], path_of_rank, **options) -> None:
+        import ray
+
+        ray.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks])
+
+    def stop_profile(self, ranks: List[int]) -> List[Optional[str]]:
+        import ray
+
+        return ray.get([self.workers[r].stop_profile.remote() for r in ranks])
+
 
 def _max_over_ranks(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
     return {k: max(m[k] for m in per_rank if k in m) for k in per_rank[0]}

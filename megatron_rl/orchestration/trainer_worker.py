@@ -69,6 +69,7 @@ class TrainerWorker:
         self._store = None  # rank 0: the rendezvous store it hosts
         self.reporter = None  # progress: reports to the driver's bars (orchestration.progress)
         self.offloader = None  # colocated: optimizer state + gradient buffers to host memory and back
+        self.capture = None  # a torch-profiler session (profile.steps)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -101,9 +102,14 @@ class TrainerWorker:
 
         from megatron_rl.orchestration.failures import identity
 
-        return dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
+        info = dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                     cp_rank=groups.cp_rank, dp=dist.get_world_size(groups.dp),
                     **identity())  # pid, log: to name the rank if it dies
+        if self.rank == 0:  # the device's peak FLOP/s, for MFU (a table, or a matmul measured once here)
+            from megatron_rl.perf import device_peak_flops
+
+            info.update(device_peak_flops(spec.model.torch_dtype))
+        return info
 
     def set_progress(self, reporter) -> None:
         """Bars for micro-batches (from the first replica's first TP rank: every replica runs as many)
@@ -174,6 +180,16 @@ class TrainerWorker:
         if self.offloader is not None and self.offloader.offloaded:
             raise RuntimeError(f"{what}: the optimizer state and gradient buffers are offloaded to host memory "
                                "(colocated rollout phase); call reload() first")
+
+    # ---- profiling -----------------------------------------------------------------------------------
+    def start_profile(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
+        from megatron_rl.profiling import Capture
+
+        self.capture = self.capture or Capture()
+        self.capture.start(path, record_shapes, with_stack)
+
+    def stop_profile(self) -> Optional[str]:
+        return None if self.capture is None else self.capture.stop()
 
     # ---- weights ------------------------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0,

@@ -151,6 +151,7 @@ class EmbeddedServer:
         self._groups: Dict[str, Any] = {}
         self._session = False  # a weight-update session is open
         self._released: set = set()  # memory tags released
+        self._capture = None  # a torch-profiler session over this process (/start_profile)
         self._update_lock = threading.Lock()  # weight endpoints run one at a time, as SGLang's scheduler does
         self._routes: Dict[Tuple[str, str], Callable[[Dict[str, Any]], Any]] = {}
         for path, handler, methods in [
@@ -169,6 +170,7 @@ class EmbeddedServer:
             ("/resume_memory_occupation", self._resume, ("GET", "POST")),
             ("/pause_generation", self._pause, ("POST",)), ("/continue_generation", self._continue, ("POST",)),
             ("/abort_request", self._abort, ("POST",)), ("/update_weight_version", self._set_version, ("POST",)),
+            ("/start_profile", self._start_profile, ("GET", "POST")), ("/stop_profile", self._stop_profile, ("GET", "POST")),
         ]:
             for method in methods:
                 self._routes[(method, path)] = handler
@@ -427,6 +429,25 @@ class EmbeddedServer:
             return 400, "Flush cache failed.\n"
         return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                      "waiting requests, the operation will not be performed.)\n")
+
+    def _start_profile(self, body):
+        """SGLang's ``ProfileReq`` fields we honour: ``output_dir`` (SGLang's default: $SGLANG_TORCH_PROFILER_DIR,
+        else /tmp), ``record_shapes``, ``with_stack``; one Chrome trace of this process, every thread."""
+        from megatron_rl.profiling import Capture
+
+        body = body or {}
+        out = body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        os.makedirs(out, exist_ok=True)
+        self._capture = self._capture or Capture()
+        self._capture.start(os.path.join(out, "embedded-TP-0.trace.json"), bool(body.get("record_shapes")),
+                            bool(body.get("with_stack")))
+        return 200, "Start profiling.\n"
+
+    def _stop_profile(self, body):
+        if self._capture is None:
+            raise _request_error("profiling is not in progress: call /start_profile first")
+        self._capture.stop()
+        return 200, "Stop profiling. This will take some time.\n"
 
     def _tags(self, body) -> List[str]:
         tags = _field(body, "tags", list, None) or ["kv_cache", "weights", "cuda_graph"]

@@ -108,6 +108,10 @@ class TrainConfig:
             imitation term (``objective.dense_kl``), ``kl_penalty`` with ``estimator='exact'``, and
             ``ref_kl`` in forward results. Its logits are kept for all of a step's micro-batches.
         chunk_size: rows per chunk of the vocabulary-parallel ops (None: their default).
+        fused_head: compute the token statistics from the output layer's input and weight
+            (:func:`megatron_rl.ops.vocab_parallel_linear_stats`) instead of from materialised logits: the
+            ``[T, V/TP]`` logits and their gradient are never held (one ``[chunk, V/TP]`` block at a time),
+            and only response positions are computed; backward recomputes the logits block by block.
     """
 
     micro_batch_size: int = 1
@@ -122,6 +126,7 @@ class TrainConfig:
     routing_diagnostics: RoutingDiagnosticsConfig = field(default_factory=RoutingDiagnosticsConfig)
     reference_model: Optional[ModelConfig] = None
     chunk_size: Optional[int] = None
+    fused_head: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
@@ -142,6 +147,8 @@ class TrainConfig:
             raise ValueError(f"train.objective must be an ObjectiveConfig, got {type(self.objective).__name__}")
         if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
             raise ValueError(f"train.pad_to_multiple={self.pad_to_multiple!r} must be a positive integer")
+        if not isinstance(self.fused_head, bool):
+            raise ValueError(f"train.fused_head={self.fused_head!r} must be true or false")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"train.chunk_size={self.chunk_size} must be >= 1 or None")
         if self.needs_reference_logits and self.reference_model is None:

@@ -36,7 +36,7 @@ from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.routing.trainer import TrainerRouting
 from megatron_rl.schedules import LRSchedule, set_lr
-from megatron_rl.training import loss_glue
+from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
 from megatron_rl.training.config import OptimConfig, TrainConfig
 from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_groups, packed_lengths, stream_multiple
@@ -93,6 +93,10 @@ class PolicyTrainer:
             if self.ref.padded_vocab_size != self.built.padded_vocab_size:
                 raise ValueError(f"reference model vocabulary ({self.ref.vocab_size}) differs from the policy's "
                                  f"({self.built.vocab_size})")
+        if train.fused_head:
+            for built in (self.built, self.ref):
+                if built is not None:
+                    head.check_supported(built.module)
         self.ddp = self.optimizer = self.schedule = None
         if optim is not None:
             self.ddp, self.optimizer = build_ddp_and_optimizer(self.built.module, tc, optim)
@@ -173,7 +177,7 @@ class PolicyTrainer:
         def loss_fn(logits, mb: MicroBatch, k: int):
             loss, metrics, bad = loss_glue.micro_batch_loss(
                 logits, mb, cfg, tp_group=groups.tp, vocab_size=self.built.vocab_size, groups=reduce_groups,
-                normalizer=normalizer, ref_logits=None if ref is None else ref[k])
+                normalizer=normalizer, ref_logits=None if ref is None else ref[k], **self._head_weights())
             payload = {"loss": float(loss.detach()), "nonfinite": int(bad),
                        "metrics": {n: float(v) for n, v in metrics.items()}}
             return loss * scale, payload
@@ -181,7 +185,7 @@ class PolicyTrainer:
         zero_grads(self.ddp, self.optimizer)
         self.ddp.train()
         tracker = self.routing.tracker(batch)
-        with self.routing.routes(self.built, mbs, tracker) as set_routes:
+        with self.routing.routes(self.built, mbs, tracker) as set_routes, self._head_out(self.built):
             payloads = run_micro_batches(self.ddp, mbs, loss_fn, forward_only=False, before_forward=set_routes,
                                          on_micro_batch=self._ticker("train micro-batches", len(mbs)))
         loss, n_bad = self._step_loss(payloads)
@@ -318,12 +322,24 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------------------
     # Passes
     # ------------------------------------------------------------------------------------------
+    def _head_out(self, built: BuiltModel):
+        """With ``train.fused_head`` the stage returns the output layer's input (:mod:`.head`)."""
+        return head.hidden_states_out(built.module, self.cfg.fused_head)
+
+    def _head_weights(self) -> Dict[str, Optional[torch.Tensor]]:
+        """The output weights the fused head's statistics need (last stage), as loss-glue keywords."""
+        if not self.cfg.fused_head:
+            return {}
+        return {"weight": head.output_weight(self.built.module),
+                "ref_weight": None if self.ref is None else head.output_weight(self.ref.module)}
+
     @torch.no_grad()
     def _reference_logits(self, mbs: List[MicroBatch]) -> Optional[List[torch.Tensor]]:
-        """Reference logits ``[b, s, V_local]`` of every micro-batch (last stage; empty list elsewhere)."""
+        """Reference logits ``[b, s, V_local]`` of every micro-batch (last stage; empty list elsewhere); with
+        the fused head its output layer's input ``[b, s, H]`` instead (V/H times smaller)."""
         if self.ref is None:
             return None
-        with self.routing.routes(self.ref, mbs) as set_routes:  # replays the rollout's routing too
+        with self.routing.routes(self.ref, mbs) as set_routes, self._head_out(self.ref):  # rollout routes too
             return run_micro_batches(self.ref.module, mbs,
                                      lambda logits, mb, k: (logits.new_zeros(()), logits.detach()),
                                      forward_only=True, before_forward=set_routes)
@@ -336,12 +352,12 @@ class PolicyTrainer:
 
         def loss_fn(logits, mb: MicroBatch, k: int):
             st = loss_glue.token_stats(logits, mb, cfg, tp_group=groups.tp, vocab_size=self.built.vocab_size,
-                                       ref_logits=None if ref is None else ref[k])
+                                       ref_logits=None if ref is None else ref[k], **self._head_weights())
             return logits.new_zeros(()), st.detached()
 
         stage = self.ddp if self.ddp is not None else self.built.module
         stage.eval()
-        with self.routing.routes(self.built, mbs, tracker) as set_routes:
+        with self.routing.routes(self.built, mbs, tracker) as set_routes, self._head_out(self.built):
             return run_micro_batches(stage, mbs, loss_fn, forward_only=True, before_forward=set_routes,
                                      on_micro_batch=self._ticker("forward micro-batches", len(mbs)))
 

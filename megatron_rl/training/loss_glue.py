@@ -8,13 +8,17 @@ Pipeline of one micro-batch (all on the last pipeline stage, identical on every 
    :func:`megatron_rl.objectives.pruned_token_stats`), optionally the exact KL to reference logits;
 3. an index gather to response positions ``[n, r]`` (cheap: per-token scalars, never logits), through
    ``MicroBatch.logit_index`` — the same code for padded rows, a packed stream and a context-parallel
-   rank's share (whose ``response_mask`` holds only its own tokens);
+   rank's share (whose ``response_mask`` holds only its own tokens); with the fused head (``weight`` given:
+   the model returned the output layer's input, see :mod:`megatron_rl.training.head`) the hidden rows are
+   gathered first and step 2 runs on them through the ``vocab_parallel_linear_*`` twins, never holding the
+   logits;
 4. :class:`~megatron_rl.objectives.LossInputs` and :func:`~megatron_rl.objectives.rl_loss` with the
    step's :class:`~megatron_rl.objectives.Normalizer`.
 
 Statistics run over prompt positions too: slicing the logits to the response span would copy them
 (``[b, s, V_local]`` is contiguous only as a whole), which costs more memory than the wasted rows cost
-time. Nothing here calls ``torch.distributed`` directly; the groups are passed in.
+time. The fused head instead gathers the hidden rows of the response positions first (``[b, r, H]``,
+cheap), so prompt tokens cost it nothing. Nothing here calls ``torch.distributed`` directly; the groups are passed in.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_rl.objectives import LossInputs, Normalizer, ReduceGroups, pruned_token_stats, rl_loss
-from megatron_rl.ops import vocab_parallel_kl, vocab_parallel_stats
 from megatron_rl.training.batch import MicroBatch
 from megatron_rl.training.config import TrainConfig
+from megatron_rl.training.head import Head
 
 Tensor = torch.Tensor
 
@@ -59,17 +63,27 @@ def ref_kl_direction(cfg: TrainConfig) -> str:
 
 
 def token_stats(logits: Tensor, mb: MicroBatch, cfg: TrainConfig, *, tp_group, vocab_size: int,
-                ref_logits: Optional[Tensor] = None) -> TokenStats:
-    """Statistics of ``mb``'s response tokens ``[n, r]`` from this rank's logits shard ``[b, s, V_local]``."""
+                ref_logits: Optional[Tensor] = None, weight: Optional[Tensor] = None,
+                ref_weight: Optional[Tensor] = None) -> TokenStats:
+    """Statistics of ``mb``'s response tokens ``[n, r]`` from this rank's logits shard ``[b, s, V_local]``; with
+    ``weight`` (fused head) ``logits``/``ref_logits`` are the output layers' inputs ``[b, s, H]`` and
+    ``weight``/``ref_weight`` the policy's/reference's ``[V_local, H]`` output weights."""
     if logits.shape[:2] != mb.input_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match the micro-batch tokens "
                          f"{tuple(mb.input_ids.shape)}")
     targets = mb.targets
     common = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=cfg.temperature, chunk_size=cfg.chunk_size)
-    st = vocab_parallel_stats(logits, targets, min_p=cfg.dvp_min_p, **common)
+    head = Head(logits, weight)
+    ref = None if ref_logits is None else Head(ref_logits, ref_weight)
+    index = mb.logit_index
+    if head.fused:  # hidden rows are cheap to gather: compute the statistics at response positions only
+        head, targets = head.rows(index), targets.reshape(-1)[index]
+        ref = None if ref is None else ref.rows(index)
+        index = None
+    st = head.stats(targets, min_p=cfg.dvp_min_p, **common)
 
     def at_response(t: Optional[Tensor]) -> Optional[Tensor]:  # [b, s] -> [n, r]: padded or packed alike
-        return None if t is None else t.reshape(-1)[mb.logit_index]
+        return t if t is None or index is None else t.reshape(-1)[index]
 
     out = TokenStats(at_response(st.logprobs), at_response(st.entropy), at_response(st.sum_pi_squared))
     dvp = cfg.objective.dvp
@@ -78,12 +92,12 @@ def token_stats(logits: Tensor, mb: MicroBatch, cfg: TrainConfig, *, tp_group, v
         if cfg.dvp_min_p is not None:  # fused in the same pass
             pruned, kept_mass, target_kept = st.pruned_logprobs, st.kept_mass, st.target_kept
         else:
-            ps = pruned_token_stats(logits, targets, dvp, **common)
+            ps = pruned_token_stats(head.logits(), targets, dvp, **common)
             pruned, kept_mass, target_kept = ps.logprobs, ps.kept_mass, ps.target_kept
         out.logprobs = at_response(pruned)
         out.kept_mass, out.target_kept = at_response(kept_mass), at_response(target_kept)
-    if ref_logits is not None:
-        kl = vocab_parallel_kl(logits, ref_logits, direction=ref_kl_direction(cfg), **common)
+    if ref is not None:
+        kl = head.kl(ref, direction=ref_kl_direction(cfg), **common)
         out.ref_kl = at_response(kl)
     return out
 
@@ -144,13 +158,15 @@ def nonfinite_policy_tokens(stats: TokenStats, mask: Tensor) -> Tensor:
 
 
 def micro_batch_loss(logits: Tensor, mb: MicroBatch, cfg: TrainConfig, *, tp_group, vocab_size: int,
-                     groups: ReduceGroups, normalizer: Normalizer,
-                     ref_logits: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
+                     groups: ReduceGroups, normalizer: Normalizer, ref_logits: Optional[Tensor] = None,
+                     weight: Optional[Tensor] = None,
+                     ref_weight: Optional[Tensor] = None) -> Tuple[Tensor, Dict[str, Tensor], Tensor]:
     """``(loss contribution, metrics, non-finite policy token count)`` of one micro-batch.
 
     The contribution follows the objectives' splitting contract: the contributions of all micro-batches
     and data-parallel ranks of the step add up to the loss of the unsplit batch.
     """
-    stats = token_stats(logits, mb, cfg, tp_group=tp_group, vocab_size=vocab_size, ref_logits=ref_logits)
+    stats = token_stats(logits, mb, cfg, tp_group=tp_group, vocab_size=vocab_size, ref_logits=ref_logits,
+                        weight=weight, ref_weight=ref_weight)
     loss, metrics = rl_loss(loss_inputs(stats, mb), cfg.objective, groups, normalizer)
     return loss, metrics, nonfinite_policy_tokens(stats, mb.response_mask)

@@ -50,7 +50,8 @@ def test_cli_run_writes_metrics_checkpoint_tensorboard(tmp_path):
     out = tmp_path / "run"
     args = ["train", TINY_RECIPE, *tiny_overrides(prepared, out), "prepare.kind=tiny_arithmetic",
             f"prepare.dir={tmp_path / 'assets'}", "reward.kind=custom", f"reward.custom_fn={reward}:reward",
-            "reward.in_process=false", "reward.num_workers=1", "checkpoint.interval=2"]
+            "reward.in_process=false", "reward.num_workers=1", "checkpoint.interval=2",
+            "profile.steps=[2]", "profile.trainer_ranks=[1]"]
     proc = run_cli(args)
     check_ok(proc)
     lines = read_metrics(str(out))
@@ -61,6 +62,14 @@ def test_cli_run_writes_metrics_checkpoint_tensorboard(tmp_path):
         assert all(_finite(m[k]) for k in ("time/step", "time/rollout", "perf/rollout_tokens_per_s"))
     trained = [m for m in lines[1:] if "train/loss" in m]
     assert len(trained) >= 2 and all(_finite(m["train/loss"]) and _finite(m["train/grad_norm"]) for m in trained)
+    for m in trained:  # throughput and MFU (megatron_rl/perf.py)
+        assert m["perf/tokens_per_s_per_gpu"] == pytest.approx(m["train/tokens"] / m["time/step"] / 2)  # 2 trainers
+        assert 0 < m["perf/mfu"] < 1 and 0 < m["perf/train_mfu"] < 1 and m["perf/model_tflop"] > 0
+        assert 0 <= m["perf/trainer_idle_frac"] <= 1 and 0 <= m["perf/engine_idle_frac"] <= 1
+    for name in ("trainer_rank1", "engine0"):  # profile.steps=[2]: one trace per chosen process
+        events = json.loads((out / "profile" / "step_2" / f"{name}.json").read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events), name
+    assert not (out / "profile" / "step_1").exists() and "time/profile" in lines[2]
     assert all(m["train/warmup"] == 1.0 for m in trained[:2]) and "sync/probe_max_abs_diff" in trained[0]
     assert sum(m["reward/failed"] for m in lines[1:]) > 0  # the flaky reward failed, the run went on
     ckpt = out / "checkpoints"

@@ -84,6 +84,9 @@ def test_tiny_recipe_resolves(assets, tmp_path):
      ["rollout.weight_transport='tensor'", "SGLang refuses (engine='remote')"]),
     (["train.routing_replay=true", "model.routing_replay=false"], ["train.routing_replay=true but "
                                                                    "model.routing_replay=false"]),
+    (["profile.steps=[2,9]", "profile.trainer_ranks=[0,2]"], ["profile.steps=[2, 9]: step(s) [9] come after the last "
+                                                             "step (steps=3)", "profile.trainer_ranks=[0, 2]: rank(s) "
+                                                             "[2] do not exist with parallel.world_size=2"]),
 ])
 def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrides, needles):
     with pytest.raises(ConfigError) as e:

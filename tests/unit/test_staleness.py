@@ -233,6 +233,9 @@ def test_busy_meter_and_idle_fractions(monkeypatch):
         now[0] = 4.0
     now[0] = 10.0  # idle
     assert meter.since_last() == pytest.approx(3.0) and meter.since_last() == 0.0
-    m = activity.idle_fractions({"time/step": 10.0, "time/train": 2.0, "time/logprobs": 1.0,
-                                 "time/weight_sync": 1.0}, 3.0)
-    assert m == {"perf/engine_idle_frac": pytest.approx(0.7), "perf/trainer_idle_frac": pytest.approx(0.6)}
+    from megatron_rl import perf
+
+    m = perf.step_metrics({"time/step": 10.0, "time/train": 2.0, "time/logprobs": 1.0, "time/weight_sync": 1.0,
+                           "time/rollout": 9.0}, None, perf.Devices(trainer=1, engine=1, colocated=False), None,
+                          engine_busy_s=3.0)
+    assert m["perf/engine_idle_frac"] == pytest.approx(0.7) and m["perf/trainer_idle_frac"] == pytest.approx(0.6)

@@ -1,0 +1,85 @@
+"""torch-profiler traces of chosen steps (``profile.steps``) on chosen trainer ranks and engines.
+
+For each step in ``profile.steps`` the driver starts a capture before the step's first phase and stops it
+after its last (weight sync, evaluation and checkpoint included). Output, one Chrome trace per process
+(open in Perfetto or ``chrome://tracing``)::
+
+    <profile.dir or <output_dir>/profile>/step_<N>/trainer_rank<R>.json
+    <...>/step_<N>/engine<i>/              the engine server's /start_profile output (SGLang's traces; the
+                                           embedded server: embedded-TP-0.trace.json, its process, all threads)
+
+Remote engines (``rollout.engine: remote``) are not profiled (their processes are not ours).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Which steps and processes to trace.
+
+    steps:         1-based steps to capture (empty: none).
+    trainer_ranks: global trainer ranks that record a trace.
+    engines:       also trace the rollout engines (their servers' ``/start_profile``: SGLang's own, or the
+                   embedded server's torch profiler over its process).
+    dir:           output directory (None: ``<logging.output_dir>/profile``).
+    record_shapes, with_stack: the torch profiler's options (more detail, larger traces).
+    """
+
+    steps: List[int] = field(default_factory=list)
+    trainer_ranks: List[int] = field(default_factory=lambda: [0])
+    engines: bool = True
+    dir: Optional[str] = None
+    record_shapes: bool = False
+    with_stack: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.steps if not isinstance(s, int) or s < 1]
+        if bad:
+            raise ValueError(f"profile.steps={self.steps}: steps are 1-based integers, got {bad}")
+        bad = [r for r in self.trainer_ranks if not isinstance(r, int) or r < 0]
+        if bad:
+            raise ValueError(f"profile.trainer_ranks={self.trainer_ranks}: ranks are integers >= 0, got {bad}")
+
+    def step_dir(self, output_dir: str, step: int) -> str:
+        return os.path.join(self.dir or os.path.join(output_dir, "profile"), f"step_{step}")
+
+
+class Capture:
+    """One torch-profiler session in this process (CPU, and CUDA when present; every thread)."""
+
+    def __init__(self) -> None:
+        self._prof = None
+        self._path: Optional[str] = None
+
+    def start(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if self._prof is not None:
+            self.stop()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        kw = dict(activities=activities, record_shapes=record_shapes, with_stack=with_stack)
+        try:  # servers generate on their own threads: record all of them (torch >= 2.7)
+            from torch._C._profiler import _ExperimentalConfig
+
+            self._prof = profile(**kw, experimental_config=_ExperimentalConfig(profile_all_threads=True))
+        except (ImportError, TypeError):
+            self._prof = profile(**kw)
+        self._path = path
+        self._prof.start()
+
+    def stop(self) -> Optional[str]:
+        """Stop and write the trace; returns its path (None when nothing was running)."""
+        if self._prof is None:
+            return None
+        prof, path = self._prof, self._path
+        self._prof = self._path = None
+        prof.stop()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        prof.export_chrome_trace(path)
+        return path
