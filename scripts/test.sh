@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv} bash scripts/setup_venv.sh
+# SGLang 0.5.23's own code (CPU) judges our SGLang side: tests/unit/test_sglang_contract.py must not skip here
+bash scripts/setup_sglang_venv.sh
+export MEGATRON_RL_REQUIRE_SGLANG=1
 . "${VENV:-.venv}/bin/activate"
 if [ "${WITH_SLURM:-0}" = 1 ]; then
   bash scripts/setup_slurm.sh  # root + Debian: a local 2-node SLURM for tests/distributed/test_slurm_job.py

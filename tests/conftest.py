@@ -10,6 +10,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU; the flag must be set before triton is first imported
+    # (triton.language's own jit functions are built then), whichever test module imports it first
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,0 +1,259 @@
+"""Our SGLang side judged by SGLang 0.5.23's own code (tests/sglang_side/, run in the SGLang venv).
+
+* every request body our client sends on the SGLang path -- generation (n samples, seeds, processed
+  log-probs, routed experts, prompt log-probs), the weight-update session, the weight group, flush,
+  version, pause/continue, abort, memory -- goes through SGLang's route validation, request classes and
+  sampling-parameter checks: all accepted, no field silently dropped;
+* our trainer rank 0 (``weight_group.create_weight_group`` + the balancer's announce/broadcast) feeds a real
+  SGLang ``WeightUpdater`` that joined through ``init_custom_process_group``: the tensors it receives equal ours;
+* the colocated transport's ``/update_weights_from_tensor`` payloads decode in SGLang's deserializer and
+  weight updater to our tensors, in both load formats;
+* SGLang's routed-experts capture/encoding decodes with ours to the experts it captured, and our server
+  encodes them as SGLang does.
+
+The SGLang venv comes from ``scripts/setup_sglang_venv.sh`` (``scripts/test.sh`` builds it and sets
+``MEGATRON_RL_REQUIRE_SGLANG=1``, so in CI these tests cannot skip).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rl.rollout import tensor_payload, wire
+from megatron_rl.rollout.balancer import RemoteEngine
+from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.http_client import RequestRejected, SGLangClient
+from megatron_rl.rollout.protocol import ExpertLayout, GenerateRequest, SamplingParams
+from megatron_rl.rollout.server import EmbeddedServer
+
+from rollout_models import tiny_qwen3, tiny_qwen3_moe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIDE = os.path.join(ROOT, "tests", "sglang_side")
+VOCAB = 96  # rollout_models' vocabulary
+
+
+@pytest.fixture(scope="module")
+def sglang_python() -> str:
+    path = os.environ.get("SGLANG_PYTHON") or os.path.join(ROOT, os.environ.get("SGLANG_VENV", ".venv-sglang"),
+                                                           "bin", "python")
+    if os.path.exists(path):
+        return path
+    message = f"the SGLang venv is missing ({path}): bash scripts/setup_sglang_venv.sh"
+    if os.environ.get("MEGATRON_RL_REQUIRE_SGLANG") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def run_side(python: str, script: str, payload, timeout: float = 600):
+    proc = subprocess.run([python, os.path.join(SIDE, script)], input=json.dumps(payload), capture_output=True,
+                          text=True, timeout=timeout, cwd=SIDE)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+class Recording(SGLangClient):
+    """Our client, every call recorded (method, path, body) on its way to the embedded server."""
+
+    def __init__(self, url: str, log: list, **kw):
+        super().__init__(url, **kw)
+        self.log = log
+
+    def with_url(self, url):
+        return Recording(url, self.log, timeout_s=self.timeout_s, expert_layout=self.expert_layout,
+                         logprob_mode=self.logprob_mode)
+
+    def request(self, method, path, body=None, timeout_s=None, idempotent=True):
+        self.log.append({"endpoint": path, "method": method, "body": body})
+        return super().request(method, path, body, timeout_s, idempotent)
+
+
+class SGLangRank(Recording):
+    """Our client whose weight-group calls are answered by SGLang's own ``WeightUpdater`` (``weight_group_rank.py``):
+    ``/init_weights_update_group`` starts it with the body's arguments (it joins through
+    ``init_custom_process_group``), each ``/update_weights_from_distributed`` body is handed to it and answered with
+    its result, ``/destroy_weights_update_group`` ends it. Everything else gets SGLang's success answer."""
+
+    def __init__(self, python: str, log: list):
+        super().__init__("http://127.0.0.1:9", log, timeout_s=300)  # never connected
+        self.python, self.proc, self.events = python, None, []
+
+    def request(self, method, path, body=None, timeout_s=None, idempotent=True):
+        self.log.append({"endpoint": path, "method": method, "body": body})
+        if path in ("/server_info", "/get_server_info"):
+            return {"tp_size": 1, "pp_size": 1}
+        if path == "/init_weights_update_group":
+            args = ["--master-address", body["master_address"], "--master-port", str(body["master_port"]),
+                    "--rank-offset", str(body["rank_offset"]), "--world-size", str(body["world_size"]),
+                    "--group-name", body["group_name"], "--backend", body["backend"], "--deadline-s", "300"]
+            self.proc = subprocess.Popen([self.python, os.path.join(SIDE, "weight_group_rank.py"), *args], cwd=SIDE,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            return self._answer("joined")
+        if path == "/update_weights_from_distributed":
+            self.proc.stdin.write(json.dumps(body) + "\n")
+            self.proc.stdin.flush()
+            return self._answer("bucket")
+        if path == "/destroy_weights_update_group":
+            self.proc.stdin.close()
+            answer = self._answer("destroyed")
+            self.proc.wait(60)
+            return answer
+        return {"success": True, "message": "Success"}
+
+    def _answer(self, event: str):
+        line = self.proc.stdout.readline()
+        assert line, f"weight_group_rank.py ended before its {event!r} event (exit {self.proc.poll()})"
+        got = json.loads(line)
+        assert got["event"] == event, got
+        self.events.append(got)
+        if not got["success"]:
+            raise RequestRejected(got["message"], self.url, 400, got)
+        return {"success": True, "message": got["message"]}
+
+
+def _summary(t: torch.Tensor) -> dict:
+    t64 = t.detach().to(torch.float64)
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sum": float(t64.sum()),
+            "sumsq": float((t64 * t64).sum())}
+
+
+def _buckets():
+    g = torch.Generator().manual_seed(0)
+    one_dtype = [("model.layers.0.mlp.up_proj.weight", torch.randn(8, 6, generator=g)),
+                 ("model.norm.weight", torch.randn(6, generator=g))]  # float32: flattened_bucket
+    mixed = [("a.bias", torch.randn(3, generator=g).to(torch.bfloat16)),  # offset 6 bytes: float32 cannot follow
+             ("b.weight", torch.randn(4, 5, generator=g)), ("c.weight", torch.randn(2, 2, generator=g).half())]
+    return [one_dtype, mixed]
+
+
+@pytest.fixture(scope="module")
+def session(sglang_python):
+    """Everything our client sends on the SGLang path, the weight sync answered by SGLang's engine rank."""
+    log: list = []
+    layout = ExpertLayout(moe_layers=(True, False, True), topk=2)
+    dense = EmbeddedServer(EmbeddedEngine(tiny_qwen3(), EmbeddedEngineConfig(seeds="deterministic"))).start()
+    moe = EmbeddedServer(EmbeddedEngine(tiny_qwen3_moe(dense_layers=(1,)),
+                                        EmbeddedEngineConfig(seeds="deterministic"))).start()
+    try:
+        processed = Recording(dense.url, log, logprob_mode="processed")
+        engine = RemoteEngine([processed], weight_transport="distributed", pause_mode="in_place")
+        samples = engine.generate([
+            GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4, seed=7, n=3, top_p=0.9, top_k=20,
+                                                      temperature=0.8, stop_token_ids=(5,)),
+                            return_top_logprobs=2, rid="grp-0", return_sampling_logprobs=True),
+            GenerateRequest((4, 5), SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))])
+        engine.prompt_logprobs([1, 2, 3, 4])
+        engine.release_memory(["kv_cache", "cuda_graph"])
+        engine.resume_memory(["kv_cache", "cuda_graph"])
+        engine.release_memory()
+        engine.resume_memory()
+        processed.pause_generation("in_place")
+        processed.continue_generation()
+        processed.abort_request("grp-0")
+        processed.abort_request(abort_all=True)
+        processed.server_info()
+        processed.model_info()
+        engine.shutdown()
+
+        routed = Recording(moe.url, log, expert_layout=layout)
+        moe_engine = RemoteEngine([routed])
+        moe_engine.generate([GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=3, seed=1),
+                                             return_routed_experts=True)])
+        moe_engine.prompt_logprobs_and_routes([1, 2, 3, 4])
+        moe_engine.shutdown()
+
+        rank = SGLangRank(sglang_python, log)
+        sync = RemoteEngine([rank], weight_transport="distributed", pause_mode="in_place")
+        sync.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=300)
+        buckets = _buckets()
+        sync.update_weights(buckets, version=3)
+        sync.close_weight_sync()
+        sync.shutdown()
+    finally:
+        dense.stop()
+        moe.stop()
+    judged = run_side(sglang_python, "validate_requests.py", {"vocab_size": VOCAB, "requests": log})
+    return dict(log=log, judged=judged, samples=samples, events=rank.events, buckets=buckets)
+
+
+def test_every_request_we_send_is_accepted_by_sglang_with_no_field_dropped(session):
+    endpoints = {r["endpoint"] for r in session["log"]}
+    assert {"/generate", "/begin_weight_update", "/end_weight_update", "/init_weights_update_group",
+            "/update_weights_from_distributed", "/destroy_weights_update_group", "/flush_cache",
+            "/update_weight_version", "/pause_generation", "/continue_generation", "/abort_request",
+            "/release_memory_occupation", "/resume_memory_occupation"} <= endpoints
+    for sent, verdict in zip(session["log"], session["judged"]):
+        assert verdict["ok"] and verdict["status"] == 200, (sent, verdict)
+        assert not verdict.get("ignored_keys"), (sent, verdict)
+
+
+def test_n_samples_go_as_one_sample_requests_with_their_own_seeds_and_rids(session):
+    generate = [(s, v) for s, v in zip(session["log"], session["judged"])
+                if s["endpoint"] == "/generate" and s["body"].get("rid", "").startswith("grp-0")]
+    assert len(generate) == 3
+    children = [c for _, v in generate for c in v["expansion"]["children"]]
+    assert len(children) == 3  # SGLang fans out nothing: n=1 each
+    assert sorted(c["rid"] for c in children) == ["grp-0-0", "grp-0-1", "grp-0-2"]
+    assert all(c["rid_source"] == "sent" for c in children)
+    seeds = [c["sampling_seed"] for c in children]
+    assert len(set(seeds)) == 3 and None not in seeds
+    assert all(s["body"].get("return_sampling_mask") for s, _ in generate)  # processed log-probs, filtered
+
+
+def test_our_weight_group_feeds_sglangs_weight_updater_bit_exactly(session):
+    events = session["events"]
+    assert events[0]["event"] == "joined" and events[0]["success"]
+    received = [e for e in events if e["event"] == "bucket"]
+    assert [e["success"] for e in received] == [True, True]
+    for bucket, got in zip(session["buckets"], received):
+        assert got["tensors"] == {name: _summary(t) for name, t in bucket}
+    assert events[-1]["event"] == "destroyed" and events[-1]["success"]
+    announces = [r["body"] for r in session["log"] if r["endpoint"] == "/update_weights_from_distributed"]
+    assert [a.get("load_format") for a in announces] == ["flattened_bucket", None]
+    assert all(a["flush_cache"] is False for a in announces)
+    order = [r["endpoint"] for r in session["log"]]
+    sync = order[order.index("/init_weights_update_group"):]  # the dense/MoE servers never synced
+    assert sync == ["/init_weights_update_group", "/pause_generation", "/begin_weight_update",
+                    "/update_weights_from_distributed", "/update_weights_from_distributed", "/end_weight_update",
+                    "/flush_cache", "/update_weight_version", "/continue_generation",
+                    "/destroy_weights_update_group"]
+
+
+@pytest.mark.parametrize("load_format", [tensor_payload.FLATTENED, None])
+def test_colocated_tensor_payloads_decode_in_sglang_to_our_tensors(sglang_python, load_format):
+    tp = 2
+    buckets = _buckets()
+    payloads, jobs = [], []
+    for bucket in buckets:
+        per_rank = [tensor_payload.encode_bucket(bucket, load_format) for _ in range(tp)]  # one pickle per rank
+        payloads.append(per_rank)
+        body = tensor_payload.request_body([p.text for p in per_rank], load_format)
+        jobs += [{"body": body, "tp_rank": r} for r in range(tp)]
+    results = run_side(sglang_python, "deserialize_tensors.py", jobs)  # producer alive: the payloads hold shm
+    for k, result in enumerate(results):
+        assert result["ok"] and result["status"] == 200, result
+        bucket = buckets[k // tp]
+        assert [{k2: v for k2, v in t.items() if k2 != "name"} for t in result["tensors"]] == \
+            [_summary(t) for _, t in bucket]
+        assert [t["name"] for t in result["tensors"]] == [name for name, _ in bucket]
+
+
+def test_routed_experts_round_trip_through_sglangs_capture(sglang_python):
+    layout = ExpertLayout(moe_layers=(True, False, True, True), topk=2)
+    g = torch.Generator().manual_seed(1)
+    tokens = 5
+    captured = {i: torch.randint(0, 8, (tokens, 2), generator=g, dtype=torch.int32) for i in layout.moe_indices}
+    out = run_side(sglang_python, "routed_experts.py", {"capture": {
+        "num_hidden_layers": layout.num_layers, "topk": layout.topk,
+        "layers": {str(i): t.tolist() for i, t in captured.items()}}})
+    b64 = out["meta_info"]["routed_experts"]
+    ours = wire.decode_routed(b64, layout)
+    assert torch.equal(ours, torch.stack([captured[i] for i in layout.moe_indices], dim=1))
+    full = torch.zeros(tokens, layout.num_layers, layout.topk, dtype=torch.int32)
+    for i, t in captured.items():
+        full[:, i] = t
+    assert wire.encode_routed(full) == b64  # the embedded server's encoding is SGLang's
