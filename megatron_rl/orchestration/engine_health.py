@@ -49,13 +49,14 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from megatron_rl.config import RecoveryConfig
+from megatron_rl.orchestration.failures import RunError, actor_death
 from megatron_rl.rollout.balancer import RemoteEngine
 
 log = logging.getLogger(__name__)
 
 
-class EngineRecoveryError(RuntimeError):
-    """An engine could not be brought back (too many restarts, or its actor is gone)."""
+class EngineRecoveryError(RunError):
+    """An engine could not be brought back (too many restarts, or its actor is gone); reported in one line."""
 
 
 class EngineHandle(Protocol):
@@ -83,8 +84,9 @@ class ActorEngine:
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayActorError as e:
-            raise EngineRecoveryError(f"engine {self.index}: its Ray actor is gone ({e}); an engine worker is not "
-                                      "replaced during a run (was its node lost?)") from None
+            dead = actor_death(f"engine {self.index}'s worker (its Ray actor)", {}, "a health check", e)
+            raise EngineRecoveryError(f"{dead}; an engine worker is not replaced during a run (was it killed, or its "
+                                      "node lost?)") from None
 
     def exit_status(self) -> Optional[str]:
         import ray

@@ -62,7 +62,8 @@ def actor_death(what: str, who: Dict[str, Optional[str]], method: str, error: Ba
     lines = log_tail(log)
     tail = (f"\nits last log lines ({log}):\n    " + "\n    ".join(lines)) if lines else \
         (f"\nits log ({log}) is empty" if log else "")
-    return RunError(f"{what} (pid {who.get('pid')}) died during {method}" + (f" ({detail})" if detail else "") + tail)
+    pid = f" (pid {who['pid']})" if who.get("pid") else ""
+    return RunError(f"{what}{pid} died during {method}" + (f" ({detail})" if detail else "") + tail)
 
 
 def from_ray_error(error: BaseException) -> Optional[RunError]:

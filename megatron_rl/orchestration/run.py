@@ -370,6 +370,9 @@ class Run:
         """Whatever the engines still hold released (nothing after a sync) comes back."""
         if self.colocation is not None:
             self.colocation.resume()
+        self._end_release_hold()
+
+    def _end_release_hold(self) -> None:
         if self._release_hold is not None:
             self._release_hold.release()
             self._release_hold = None
@@ -443,9 +446,10 @@ class Run:
 
     def sync_weights(self, step: int) -> Dict[str, float]:
         memory: Dict[str, float] = {}
-        if self.colocation is not None and self.colocation.released:
-            stats, memory = self.colocation.sync(step)  # the engines' memory comes back around it
+        if self.colocation is not None and self.colocation.released and self.recovery is None:
+            stats, memory = self.colocation.sync(step)  # the engines' memory comes back piece by piece around it
         else:
+            self.resume_engines()  # with recovery: an engine answers /health only with all its memory back
             with self.timer.phase("weight_sync"):
                 stats = self._sync_weights(step)
         out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets)}

@@ -66,8 +66,9 @@ def test_cli_run_writes_metrics_checkpoint_tensorboard(tmp_path):
         assert m["perf/tokens_per_s_per_gpu"] == pytest.approx(m["train/tokens"] / m["time/step"] / 2)  # 2 trainers
         assert 0 < m["perf/mfu"] < 1 and 0 < m["perf/train_mfu"] < 1 and m["perf/model_tflop"] > 0
         assert 0 <= m["perf/trainer_idle_frac"] <= 1 and 0 <= m["perf/engine_idle_frac"] <= 1
-    for name in ("trainer_rank1", "engine0"):  # profile.steps=[2]: one trace per chosen process
-        events = json.loads((out / "profile" / "step_2" / f"{name}.json").read_text())["traceEvents"]
+    # profile.steps=[2]: one trace per chosen process (the engine's through its server's /start_profile)
+    for name in ("trainer_rank1.json", "engine0/embedded-TP-0.trace.json"):
+        events = json.loads((out / "profile" / "step_2" / name).read_text())["traceEvents"]
         assert any(e.get("name", "").startswith("aten::") for e in events), name
     assert not (out / "profile" / "step_1").exists() and "time/profile" in lines[2]
     assert all(m["train/warmup"] == 1.0 for m in trained[:2]) and "sync/probe_max_abs_diff" in trained[0]
