@@ -83,6 +83,7 @@ class WeightSyncConfig:
     engine_dtype: Optional[str] = None  # None: an EmbeddedEngine's own dtype, else the trainer's params dtype
     progress: bool = True  # tqdm bar on the sender (bytes sent)
     replay_routing: bool = False  # MoE: the trainer's probe forward replays each engine's routing of the probe
+    per_rank: bool = True  # every rank sends the pieces it owns to the sender (weight_links.py); False: all-gather
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
@@ -143,6 +144,8 @@ class SyncStats:
     bucket_bytes: List[int] = field(default_factory=list)
     bucket_tensors: List[int] = field(default_factory=list)
     check: Optional[ProbeCheck] = None
+    link_bytes: List[int] = field(default_factory=list)  # per trainer rank (group rank): bytes it sent
+    link_seconds: List[float] = field(default_factory=list)  # per trainer rank: from its start to its last byte
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -155,7 +158,17 @@ class SyncStats:
         if self.check is not None:
             out.update(check_max_abs_diff=self.check.max_abs_diff, check_mean_abs_diff=self.check.mean_abs_diff,
                        check_seconds=self.check.seconds)
+        out.update(self.link_metrics(prefix=""))
         return {prefix + k: float(v) for k, v in out.items()}
+
+    def link_metrics(self, prefix: str = "weight_sync/") -> Dict[str, float]:
+        """``link<r>/bytes`` and ``link<r>/gb_per_s`` for every trainer rank ``r`` that sent something."""
+        out = {}
+        for r, (n, s) in enumerate(zip(self.link_bytes, self.link_seconds)):
+            if n:
+                out[f"{prefix}link{r}/bytes"] = float(n)
+                out[f"{prefix}link{r}/gb_per_s"] = n / 1e9 / max(s, 1e-9)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,13 +400,18 @@ class WeightSync:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.total_bytes = sum(math.prod(s) * elem for s in mapping.hf_shapes(built.arch).values())
         self.probe = probe_tokens(built.vocab_size, probe_length(self.config, built), self.config.probe_seed)
+        self.group_rank = dist.get_rank(group) if distributed else 0
+        self.sender_group_rank = sender_rank if group is None or not distributed else dist.get_group_rank(group,
+                                                                                                          sender_rank)
+        self._plan = None  # weight_links.Plan: who sends which pieces (exchanged at the first per-rank sync)
 
     # ---- agreement between ranks -------------------------------------------------------------------
 
-    def _agree(self, error: Optional[BaseException], result: Any = None) -> Any:
-        """Every rank learns every rank's error and the sender's result; raise on all ranks if any failed."""
+    def _agree(self, error: Optional[BaseException], result: Any = None, link: Tuple[int, float] = (0, 0.0)) -> Any:
+        """Every rank learns every rank's error and the sender's result (a SyncStats gets every rank's ``link``:
+        bytes sent, seconds); raise on all ranks if any failed."""
         mine = (None if error is None else (type(error).__name__, str(error), isinstance(error, WeightMismatchError)),
-                result if self.is_sender else None)
+                result if self.is_sender else None, link)
         if self.world > 1:
             gathered: List[Any] = [None] * self.world
             dist.all_gather_object(gathered, mine, group=self.group)
@@ -401,13 +419,16 @@ class WeightSync:
             gathered = [mine]
         if error is not None:
             raise error
-        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        failed = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
         if failed:
             r, (kind, message, mismatch) = failed[0]
             cls = WeightMismatchError if mismatch else WeightSyncError
             raise cls(f"weight sync failed on rank {r} ({kind}): {message}")
-        sender = self.sender_rank if self.group is None else dist.get_group_rank(self.group, self.sender_rank)
-        return gathered[sender][1]
+        result = gathered[self.sender_group_rank][1]
+        if isinstance(result, SyncStats):
+            result.link_bytes = [int(g[2][0]) for g in gathered]
+            result.link_seconds = [float(g[2][1]) for g in gathered]
+        return result
 
     # ---- API ------------------------------------------------------------------------------------------
 
@@ -418,19 +439,24 @@ class WeightSync:
 
         start = time.perf_counter()
         version = str(version)
-        source = iter_hf_weights(self.built, all_stages=True)
         error: Optional[BaseException] = None
-        stats = None
+        stats, link = None, (0, 0.0)
         try:
-            if self.is_sender or self.transport is not None:
-                stats = self._send(source, version)
+            if self.transport is None and self.config.per_rank:
+                stats, link = self._send_per_rank(version)
             else:
-                _drain(source)
+                source = iter_hf_weights(self.built, all_stages=True)
+                if self.is_sender or self.transport is not None:
+                    stats = self._send(source, version)
+                else:
+                    _drain(source)
         except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
             error = e
         if self.is_sender and stats is not None:
             stats.transfer_seconds = time.perf_counter() - start
-        stats = self._agree(error, stats)
+            if not link[0]:
+                link = (stats.bytes, stats.transfer_seconds)  # the all-gather path: the sender's link carries all
+        stats = self._agree(error, stats, link)
         if self.config.check if check is None else check:
             stats.check = self.check(what=f"after syncing version {version}")
         stats.seconds = time.perf_counter() - start
@@ -439,6 +465,43 @@ class WeightSync:
                      stats.dtype, stats.buckets, stats.tensors, stats.seconds,
                      f"; probe max |dlogp| {stats.check.max_abs_diff:.2e}" if stats.check else "")
         return stats
+
+    def _send_per_rank(self, version: str) -> Tuple[Optional[SyncStats], Tuple[int, float]]:
+        """Every rank sends its own pieces to the sender (weight_links.py); returns (the sender's stats, this
+        rank's link: bytes, seconds)."""
+        from megatron_rl.rollout import weight_links
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        if self._plan is None:
+            direct = self.is_sender and isinstance(self.engine, EmbeddedEngine)
+            self._plan = weight_links.exchange_plan(self.built, self.group, self.sender_group_rank,
+                                                    self.dtype if self.is_sender else None, direct)
+            self.dtype = self._plan.dtype
+        plan, me = self._plan, self.group_rank
+        if not self.is_sender:
+            return None, (weight_links.send_pieces(self.built, plan, self.sender_rank, self.group)
+                          if plan.pieces[me] else (0, 0.0))
+        start = time.perf_counter()
+        if not plan.direct:
+            times: Dict[int, float] = {}
+            stats = self._send(weight_links.assemble_stream(self.built, plan, me, self.group, times), version)
+            return stats, (plan.link_bytes(me), time.perf_counter() - start)
+        error: Optional[BaseException] = None
+        with contextlib.ExitStack() as stack:
+            try:
+                target = stack.enter_context(self.engine.weight_update(version))
+            except Exception as e:  # noqa: BLE001 - the peers' pieces are still received (and dropped)
+                target, error = None, e
+            weight_links.receive_into(self.built, plan, me, self.group, target, self.config.bucket_bytes)
+        if error is not None:
+            raise error
+        total = sum(plan.link_bytes(r) for r in range(len(plan.pieces)))
+        names = len({p.name for ps in plan.pieces for p in ps})
+        if self.progress is not None:
+            self.progress(f"weight sync v{version}", total, total, "B")
+        return (SyncStats(version=version, seconds=0.0, transfer_seconds=0.0, gather_seconds=0.0, bytes=total,
+                          buckets=0, tensors=names, dtype=dtype_name(self.dtype)),
+                (plan.link_bytes(me), time.perf_counter() - start))
 
     def _send(self, source: Iterator[Tuple[str, torch.Tensor]], version: str) -> SyncStats:
         meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress and self.is_sender,
