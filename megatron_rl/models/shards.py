@@ -69,6 +69,15 @@ def _unit_pieces(built, unit: mapping.Unit, target) -> List[Tuple[Piece, torch.T
     hf = unit.hf
     if unit.kind == "replicated":
         return [(Piece(hf[0][0], hf[0][1], _full(hf[0][1])), target.detach())] if tp.rank == 0 else []
+    if unit.kind == "experts":
+        etp, out = built.shard.etp, []
+        for e, fc1, fc2 in mapping.local_experts(target):
+            (gate, gshape), (up, ushape), (down, dshape) = hf[3 * e: 3 * e + 3]
+            r0, r1 = shard_range(gshape[0], etp.rank, etp.size, f"{gate} rows")
+            g, u = fc1.detach().chunk(2, dim=0)
+            out += [(Piece(gate, gshape, _rows(gshape, r0, r1)), g), (Piece(up, ushape, _rows(ushape, r0, r1)), u),
+                    (Piece(down, dshape, ((0, dshape[0]), (r0, r1))), fc2.detach())]
+        return out
     t = target.detach()
     if unit.kind == "vocab":
         (name, shape), = hf
@@ -95,15 +104,6 @@ def _unit_pieces(built, unit: mapping.Unit, target) -> List[Tuple[Piece, torch.T
         out = []
         for (name, shape), x, per in zip(hf, (q, k, v), (qpg * hd, hd, hd)):
             out.append((Piece(name, shape, _rows(shape, g0 * per, g1 * per)), x.reshape(-1, *tail)))
-        return out
-    if unit.kind == "experts":
-        etp, out = built.shard.etp, []
-        for e, fc1, fc2 in mapping.local_experts(target):
-            (gate, gshape), (up, ushape), (down, dshape) = hf[3 * e: 3 * e + 3]
-            r0, r1 = shard_range(gshape[0], etp.rank, etp.size, f"{gate} rows")
-            g, u = fc1.detach().chunk(2, dim=0)
-            out += [(Piece(gate, gshape, _rows(gshape, r0, r1)), g), (Piece(up, ushape, _rows(ushape, r0, r1)), u),
-                    (Piece(down, dshape, ((0, dshape[0]), (r0, r1))), fc2.detach())]
         return out
     raise AssertionError(unit.kind)
 
