@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,8 +78,8 @@ class _Inbox:
     None (error: received and dropped); ``done(piece, buf)`` is called with a scratch buffer once it has
     arrived (a piece received in place needs nothing)."""
 
-    def __init__(self, plan: Plan, me: int, group, max_scratch: int):
-        self.plan, self.group, self.max_scratch = plan, group, max_scratch
+    def __init__(self, plan: Plan, me: int, group, max_scratch: int, device: torch.device):
+        self.plan, self.group, self.max_scratch, self.device = plan, group, max_scratch, device
         queues = [deque(ps) for r, ps in enumerate(plan.pieces) if r != me]
         self.src = [r for r, ps in enumerate(plan.pieces) if r != me]
         self.order: List[Tuple[int, Piece]] = []
@@ -87,7 +87,6 @@ class _Inbox:
             for r, q in zip(self.src, queues):
                 if q:
                     self.order.append((r, q.popleft()))
-        self.last: Dict[int, float] = {}
 
     def run(self, dst: Callable[[Piece], Optional[torch.Tensor]], done: Callable[[Piece, torch.Tensor], None],
             between: Callable[[], None] = lambda: None) -> None:
@@ -99,7 +98,6 @@ class _Inbox:
             nonlocal scratch
             r, piece, buf, work, nbytes, copy = pending.popleft()
             work.wait()
-            self.last[r] = time.perf_counter()
             if copy:
                 done(piece, buf)
             scratch -= nbytes
@@ -107,7 +105,8 @@ class _Inbox:
         for r, piece in self.order:
             view = dst(piece)
             in_place = view is not None and view.is_contiguous() and view.dtype == self.plan.dtype
-            buf = view if in_place else torch.empty(piece.piece_shape, dtype=self.plan.dtype)
+            buf = view if in_place else torch.empty(piece.piece_shape, dtype=self.plan.dtype,
+                                                    device=self.device if view is None else view.device)
             nbytes = 0 if in_place else buf.numel() * buf.element_size()
             while pending and nbytes and scratch + nbytes > self.max_scratch:
                 if not between_done:
@@ -123,10 +122,10 @@ class _Inbox:
             finish_one()
 
 
-def receive_into(built, plan: Plan, me: int, group, target, max_scratch: int) -> Tuple[int, Dict[int, float]]:
-    """The sender's part for an in-place engine: ``target`` (``HFWeightTarget`` or None after an error: then
-    everything is received and dropped) gets every piece. Returns (own bytes, per peer rank: seconds until its
-    last piece arrived). Raises the first target error after every receive has completed."""
+def receive_into(built, plan: Plan, me: int, group, target, max_scratch: int) -> None:
+    """The sender's part for an in-place engine: ``target`` (``HFWeightTarget``, or None after an error: then
+    everything is received and dropped) gets every piece. Raises the first target error once every receive
+    has completed."""
     errors: List[BaseException] = []
 
     def dst(piece: Piece) -> Optional[torch.Tensor]:
@@ -138,65 +137,55 @@ def receive_into(built, plan: Plan, me: int, group, target, max_scratch: int) ->
             errors.append(e)
             return None
 
-    def done(piece: Piece, buf: torch.Tensor) -> None:
-        dst(piece).copy_(buf)
-
-    own = 0
-
     def copy_own() -> None:
-        nonlocal own
         for piece, t in owned_pieces(built):
             view = dst(piece)
             if view is not None:
                 view.copy_(t)
-            own += piece.numel * torch.empty((), dtype=plan.dtype).element_size()
 
-    start = time.perf_counter()
-    inbox = _Inbox(plan, me, group, max_scratch)
     with torch.no_grad():
-        inbox.run(dst, done, copy_own)
+        _Inbox(plan, me, group, max_scratch, _device(built)).run(dst, lambda piece, buf: dst(piece).copy_(buf),
+                                                                 copy_own)
     if errors:
         raise errors[0]
-    return own, {r: t - start for r, t in inbox.last.items()}
 
 
-def assemble_stream(built, plan: Plan, me: int, group, timings: Dict[int, float]) -> Iterator[Tuple[str, torch.Tensor]]:
+def assemble_stream(built, plan: Plan, me: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
     """The sender's part for an engine that takes full HF tensors: ``(name, tensor)`` in export order, each
     assembled from its owners' pieces (a tensor the sender owns whole is yielded as is, maybe a view of the
-    parameter). Must be consumed to the end (peers are sending). ``timings[r]``: seconds from the start until
-    peer ``r``'s last piece arrived."""
+    parameter). Must be consumed to the end: the peers are sending."""
+    from megatron_rl.models import mapping
+
     own = owned_pieces(built)
     queues = [deque(ps) for ps in plan.pieces]
-    names: List[Tuple[str, Tuple[int, ...]]] = []
-    seen = set()
-    for ps in plan.pieces:  # export order: every rank's list is in it, so merge by first appearance per unit
-        for p in ps:
-            if p.name not in seen:
-                seen.add(p.name)
-                names.append((p.name, p.shape))
-    order = {n: i for i, (n, _) in enumerate(_export_order(built))}
-    names.sort(key=lambda x: order[x[0]])
-    start = time.perf_counter()
-    for name, shape in names:
-        parts = [(r, q.popleft()) for r, q in enumerate(queues) for _ in range(_count_front(q, name))]
-        if len(parts) == 1 and parts[0][0] == me and parts[0][1].whole:
-            yield name, _cast(next(own)[1], plan.dtype)
-            continue
-        out = torch.empty(shape, dtype=plan.dtype)
-        works = []
-        for r, piece in parts:
-            view = out[piece.index]
-            if r == me:
-                view.copy_(next(own)[1])
+    present = {p.name for ps in plan.pieces for p in ps}
+    device = _device(built)  # the trainer's: where its collectives run (gloo: CPU, NCCL: its GPU)
+    for unit in mapping.units(built.arch):
+        for name, shape in unit.hf if unit.export else ():
+            if name not in present:
                 continue
-            buf = view if view.is_contiguous() else torch.empty(piece.piece_shape, dtype=plan.dtype)
-            works.append((r, dist.irecv(buf, src=plan.ranks[r], group=group), view, buf))
-        for r, work, view, buf in works:
-            work.wait()
-            timings[r] = time.perf_counter() - start
-            if buf is not view:
-                view.copy_(buf)
-        yield name, out
+            parts = [(r, q.popleft()) for r, q in enumerate(queues) for _ in range(_count_front(q, name))]
+            if len(parts) == 1 and parts[0][0] == me and parts[0][1].whole:
+                yield name, _cast(next(own)[1], plan.dtype)
+                continue
+            out = torch.empty(shape, dtype=plan.dtype, device=device)
+            works = []
+            for r, piece in parts:
+                view = out[piece.index]
+                if r == me:
+                    view.copy_(next(own)[1])
+                    continue
+                buf = view if view.is_contiguous() else torch.empty(piece.piece_shape, dtype=plan.dtype, device=device)
+                works.append((dist.irecv(buf, src=plan.ranks[r], group=group), view, buf))
+            for work, view, buf in works:
+                work.wait()
+                if buf is not view:
+                    view.copy_(buf)
+            yield name, out
+
+
+def _device(built) -> torch.device:
+    return next(built.module.parameters()).device
 
 
 def _count_front(q: deque, name: str) -> int:
@@ -204,9 +193,3 @@ def _count_front(q: deque, name: str) -> int:
     while n < len(q) and q[n].name == name:
         n += 1
     return n
-
-
-def _export_order(built) -> List[Tuple[str, Tuple[int, ...]]]:
-    from megatron_rl.models import mapping
-
-    return [hf for u in mapping.units(built.arch) if u.export for hf in u.hf]

@@ -483,8 +483,7 @@ class WeightSync:
                           if plan.pieces[me] else (0, 0.0))
         start = time.perf_counter()
         if not plan.direct:
-            times: Dict[int, float] = {}
-            stats = self._send(weight_links.assemble_stream(self.built, plan, me, self.group, times), version)
+            stats = self._send(weight_links.assemble_stream(self.built, plan, me, self.group), version)
             return stats, (plan.link_bytes(me), time.perf_counter() - start)
         error: Optional[BaseException] = None
         with contextlib.ExitStack() as stack:
