@@ -18,7 +18,8 @@ the trainer's weights are synced to the engine beside rank 0; every rank sends t
 
 and compared with a plain in-memory copy of every HF tensor into a preallocated state dict
 (``copy_``, same process): "x copy" = sync seconds / copy seconds. "link GB/s": per trainer rank that
-sent something, its bytes over its seconds. Sync times exclude the post-sync check, timed separately ("check s": one probe forward on the trainer and one on the engine).
+sent something, its bytes over its seconds. Sync times exclude the post-sync check, timed separately
+("check s": one probe forward on the trainer and one on the engine).
 "peak extra" is rank 0's peak RSS growth during one sync (/proc/self/clear_refs + VmHWM): streaming
 keeps it near one bucket (+ serialisation copies over HTTP), not a second model.
 
@@ -152,8 +153,8 @@ def child(path: str, tp: int, bucket_mb: float, repeats: int, targets, per_rank:
                 if i:
                     peak = max(peak, _rss("VmHWM") - base)
                 runs.append(stats)
-            checked = WeightSync(built, engine, WeightSyncConfig(bucket_mb=bucket_mb, check_tolerance=tol, progress=False,
-                                                                 per_rank=per_rank),
+            checked = WeightSync(built, engine, WeightSyncConfig(bucket_mb=bucket_mb, check_tolerance=tol,
+                                                                 progress=False, per_rank=per_rank),
                                  transport=transport).sync("checked")
             last = runs[-1]
             out[target] = dict(seconds=statistics.median(r.seconds for r in runs[1:]),

@@ -2,15 +2,17 @@
 
 ``WeightSync(built, engine, config).sync(version)`` is collective: every trainer rank calls it.
 
-1. Every rank iterates :func:`megatron_rl.models.weights.iter_hf_weights` to the end. It yields full
-   HF-named tensors in a stable order; producing each one is a collective (TP / expert-TP / EP
-   all-gathers, a PP broadcast), so ranks that send nothing still take part.
-2. One rank, the *sender* (global rank 0 by default -- TP rank 0 of PP stage 0 of DP replica 0; any rank
-   would do, since every rank sees every tensor), holds the engine handle. It casts each tensor to the
-   engine's dtype and groups tensors into buckets of at most ``bucket_mb`` (a larger tensor travels
+1. One rank, the *sender* (global rank 0 by default), holds the engine handle. Every other rank that owns
+   part of the weights (its TP / EP / PP shard; DP replicas own nothing) sends those pieces straight to the
+   sender, concurrently, cast to the engine's dtype (:mod:`megatron_rl.rollout.weight_links`, ``per_rank``,
+   the default): an in-process ``EmbeddedEngine`` receives each piece in place into its parameters; for any
+   other engine the sender assembles full HF tensors from the pieces as it streams them. (``per_rank=False``,
+   and colocated transports: every rank iterates :func:`megatron_rl.models.weights.iter_hf_weights`, which
+   gathers every tensor on every rank.)
+2. The sender groups the full tensors into buckets of at most ``bucket_mb`` (a larger tensor travels
    alone). Buckets are built lazily and handed to ``engine.update_weights`` as a generator, so bucket
-   ``k`` is on its way before bucket ``k + 1`` is gathered: the extra memory is one bucket plus the
-   tensor being gathered, never a second copy of the model. Other ranks drop each tensor at once.
+   ``k`` is on its way while bucket ``k + 1`` is assembled: the extra memory is about two buckets plus the
+   tensor being assembled, never a second copy of the model.
 3. The transport is the engine's own (reused, not re-implemented here): ``EmbeddedEngine`` copies in
    process; ``RemoteEngine`` posts safetensors buckets to ``/update_weights_from_tensor``
    (``weight_transport="tensor"``) or announces each bucket on ``/update_weights_from_distributed`` and
@@ -130,7 +132,9 @@ class SyncStats:
 
     ``seconds``: the whole call. ``transfer_seconds``: export + send. ``gather_seconds``: of that, the
     time spent producing tensors (gathers, PP broadcasts, casts); the rest is the engine receiving.
-    ``bytes``: payload in the engine dtype. ``bucket_bytes[i]`` / ``bucket_tensors[i]``: bucket ``i``.
+    ``bytes``: payload in the engine dtype. ``bucket_bytes[i]`` / ``bucket_tensors[i]``: bucket ``i`` (none
+    when an in-process engine received the pieces in place). ``link_bytes[r]`` / ``link_seconds[r]``: what
+    trainer rank ``r`` sent and how long it took (its own clock).
     """
 
     version: str
@@ -448,14 +452,13 @@ class WeightSync:
                 source = iter_hf_weights(self.built, all_stages=True)
                 if self.is_sender or self.transport is not None:
                     stats = self._send(source, version)
+                    link = (stats.bytes, time.perf_counter() - start)  # every rank has every tensor: one link
                 else:
                     _drain(source)
         except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
             error = e
         if self.is_sender and stats is not None:
             stats.transfer_seconds = time.perf_counter() - start
-            if not link[0]:
-                link = (stats.bytes, stats.transfer_seconds)  # the all-gather path: the sender's link carries all
         stats = self._agree(error, stats, link)
         if self.config.check if check is None else check:
             stats.check = self.check(what=f"after syncing version {version}")
