@@ -452,7 +452,8 @@ class Run:
             self.resume_engines()  # with recovery: an engine answers /health only with all its memory back
             with self.timer.phase("weight_sync"):
                 stats = self._sync_weights(step)
-        out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets)}
+        out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets),
+               **stats.link_metrics(prefix="sync/")}  # sync/link<r>/bytes, /gb_per_s: per sending trainer rank
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
             out["sync/probe_mean_abs_diff"] = stats.check.mean_abs_diff

@@ -265,15 +265,26 @@ class RemoteEngine(RolloutEngine):
         if self.pause_mode is not None:
             self._each(lambda c: c.pause_generation(self.pause_mode))
         try:
+            pending = None
             try:
                 self._each(lambda c: c.begin_weight_update())
+                # bucket k + 1 is produced (the trainer's collectives, in this thread) while bucket k is on its
+                # way; the servers still receive one bucket at a time, in order
                 for bucket in named_tensor_buckets:
                     bucket = list(bucket)
-                    if self.weight_transport == "tensor":
-                        self._each(lambda c: c.update_weights_from_tensor([bucket]))
-                    else:
-                        self._broadcast(bucket)
+                    if pending is not None:
+                        pending, previous = None, pending
+                        previous()
+                    pending = self._start_bucket(bucket)
+                if pending is not None:
+                    pending, previous = None, pending
+                    previous()
             finally:
+                if pending is not None:  # an error while producing the next bucket: let this one land first
+                    try:
+                        pending()
+                    except Exception as e:  # noqa: BLE001 - keep the original error
+                        log.warning("finishing the weight bucket in flight: %s", e)
                 try:
                     self._each(lambda c: c.end_weight_update())
                 except Exception as e:  # noqa: BLE001 - keep the original error
@@ -297,12 +308,23 @@ class RemoteEngine(RolloutEngine):
                 raise
             log.debug("%s holds paused requests: cache not flushed (SGLang refuses while they are held)", client.url)
 
-    def _broadcast(self, bucket: List) -> None:
-        """Announce ``bucket`` to every server and broadcast it; a refused announce aborts the wait (doc)."""
+    def _start_bucket(self, bucket: List) -> Callable[[], None]:
+        """Start sending ``bucket`` to every server; returns the call that waits for it (and raises its error)."""
+        if self.weight_transport == "tensor":
+            futures = [self._pool.submit(c.update_weights_from_tensor, [bucket]) for c in self.clients]
+
+            def finish() -> None:
+                for f in [_settled(f) for f in futures]:
+                    f.result()
+            return finish
         fmt = weight_group.FLATTENED if weight_group.can_flatten(bucket) else None
         announces = [self._pool.submit(c.update_weights_from_distributed, bucket, self._group_name, fmt)
                      for c in self.clients]
         works = weight_group.broadcast_bucket_async(self._group, bucket, fmt)
+        return lambda: self._finish_broadcast(announces, works)
+
+    def _finish_broadcast(self, announces: List[Future], works: List) -> None:
+        """Wait for a bucket's broadcast; a refused announce aborts the wait (module doc)."""
         pause = 5e-5
         while not all(w.is_completed() for w in works):
             refused = [(c, f) for c, f in zip(self.clients, announces) if f.done() and f.exception() is not None]

@@ -22,6 +22,7 @@ request (the HTTP server also caps it).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import threading
@@ -202,6 +203,20 @@ class EmbeddedEngine(RolloutEngine):
             except Exception:
                 if applied:
                     self.weights_consistent = False
+                raise
+            self.weights_consistent = True
+            self.update_weight_version(version)
+
+    @contextlib.contextmanager
+    def weight_update(self, version: Any) -> Iterator[HFWeightTarget]:
+        """Write the weights in place (a per-rank weight sync assembles trainer shards into them), then set
+        the version; an exception inside leaves ``weights_consistent`` False until a full update."""
+        with self._lock:
+            self._require_live()
+            try:
+                yield self.weights
+            except BaseException:
+                self.weights_consistent = False
                 raise
             self.weights_consistent = True
             self.update_weight_version(version)

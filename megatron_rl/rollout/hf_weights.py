@@ -51,6 +51,18 @@ class HFWeightTarget:
         inter = fused.shape[1] // 2
         return fused[e, :inter] if proj == "gate_proj" else fused[e, inter:]
 
+    def slot(self, name: str, shape) -> torch.Tensor:
+        """The destination of ``name`` (detached: written in place by a weight sync), checked against the full
+        ``shape`` the sender assembles it to; raises :class:`WeightUpdateError`."""
+        dst = self.resolve(name)
+        if dst is None:
+            raise WeightUpdateError(f"weight update: unknown name {name!r}{self._suggest(name)}; the model has "
+                                    f"{len(self._tensors)} state-dict tensors")
+        if tuple(dst.shape) != tuple(shape):
+            raise WeightUpdateError(f"weight update: {name} has shape {tuple(shape)} on the trainer, "
+                                    f"{tuple(dst.shape)} in the model")
+        return dst.detach()
+
     def _suggest(self, name: str) -> str:
         close = difflib.get_close_matches(name, self._tensors, n=1, cutoff=0.6)
         return f" (closest: {close[0]!r})" if close else ""

@@ -2,15 +2,17 @@
 
 ``WeightSync(built, engine, config).sync(version)`` is collective: every trainer rank calls it.
 
-1. Every rank iterates :func:`megatron_rl.models.weights.iter_hf_weights` to the end. It yields full
-   HF-named tensors in a stable order; producing each one is a collective (TP / expert-TP / EP
-   all-gathers, a PP broadcast), so ranks that send nothing still take part.
-2. One rank, the *sender* (global rank 0 by default -- TP rank 0 of PP stage 0 of DP replica 0; any rank
-   would do, since every rank sees every tensor), holds the engine handle. It casts each tensor to the
-   engine's dtype and groups tensors into buckets of at most ``bucket_mb`` (a larger tensor travels
+1. One rank, the *sender* (global rank 0 by default), holds the engine handle. Every other rank that owns
+   part of the weights (its TP / EP / PP shard; DP replicas own nothing) sends those pieces straight to the
+   sender, concurrently, cast to the engine's dtype (:mod:`megatron_rl.rollout.weight_links`, ``per_rank``,
+   the default): an in-process ``EmbeddedEngine`` receives each piece in place into its parameters; for any
+   other engine the sender assembles full HF tensors from the pieces as it streams them. (``per_rank=False``,
+   and colocated transports: every rank iterates :func:`megatron_rl.models.weights.iter_hf_weights`, which
+   gathers every tensor on every rank.)
+2. The sender groups the full tensors into buckets of at most ``bucket_mb`` (a larger tensor travels
    alone). Buckets are built lazily and handed to ``engine.update_weights`` as a generator, so bucket
-   ``k`` is on its way before bucket ``k + 1`` is gathered: the extra memory is one bucket plus the
-   tensor being gathered, never a second copy of the model. Other ranks drop each tensor at once.
+   ``k`` is on its way while bucket ``k + 1`` is assembled: the extra memory is about two buckets plus the
+   tensor being assembled, never a second copy of the model.
 3. The transport is the engine's own (reused, not re-implemented here): ``EmbeddedEngine`` copies in
    process; ``RemoteEngine`` posts safetensors buckets to ``/update_weights_from_tensor``
    (``weight_transport="tensor"``) or announces each bucket on ``/update_weights_from_distributed`` and
@@ -83,6 +85,7 @@ class WeightSyncConfig:
     engine_dtype: Optional[str] = None  # None: an EmbeddedEngine's own dtype, else the trainer's params dtype
     progress: bool = True  # tqdm bar on the sender (bytes sent)
     replay_routing: bool = False  # MoE: the trainer's probe forward replays each engine's routing of the probe
+    per_rank: bool = True  # every rank sends the pieces it owns to the sender (weight_links.py); False: all-gather
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
@@ -129,7 +132,9 @@ class SyncStats:
 
     ``seconds``: the whole call. ``transfer_seconds``: export + send. ``gather_seconds``: of that, the
     time spent producing tensors (gathers, PP broadcasts, casts); the rest is the engine receiving.
-    ``bytes``: payload in the engine dtype. ``bucket_bytes[i]`` / ``bucket_tensors[i]``: bucket ``i``.
+    ``bytes``: payload in the engine dtype. ``bucket_bytes[i]`` / ``bucket_tensors[i]``: bucket ``i`` (none
+    when an in-process engine received the pieces in place). ``link_bytes[r]`` / ``link_seconds[r]``: what
+    trainer rank ``r`` sent and how long it took (its own clock).
     """
 
     version: str
@@ -143,6 +148,8 @@ class SyncStats:
     bucket_bytes: List[int] = field(default_factory=list)
     bucket_tensors: List[int] = field(default_factory=list)
     check: Optional[ProbeCheck] = None
+    link_bytes: List[int] = field(default_factory=list)  # per trainer rank (group rank): bytes it sent
+    link_seconds: List[float] = field(default_factory=list)  # per trainer rank: from its start to its last byte
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -155,7 +162,17 @@ class SyncStats:
         if self.check is not None:
             out.update(check_max_abs_diff=self.check.max_abs_diff, check_mean_abs_diff=self.check.mean_abs_diff,
                        check_seconds=self.check.seconds)
+        out.update(self.link_metrics(prefix=""))
         return {prefix + k: float(v) for k, v in out.items()}
+
+    def link_metrics(self, prefix: str = "weight_sync/") -> Dict[str, float]:
+        """``link<r>/bytes`` and ``link<r>/gb_per_s`` for every trainer rank ``r`` that sent something."""
+        out = {}
+        for r, (n, s) in enumerate(zip(self.link_bytes, self.link_seconds)):
+            if n:
+                out[f"{prefix}link{r}/bytes"] = float(n)
+                out[f"{prefix}link{r}/gb_per_s"] = n / 1e9 / max(s, 1e-9)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,13 +404,18 @@ class WeightSync:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.total_bytes = sum(math.prod(s) * elem for s in mapping.hf_shapes(built.arch).values())
         self.probe = probe_tokens(built.vocab_size, probe_length(self.config, built), self.config.probe_seed)
+        self.group_rank = dist.get_rank(group) if distributed else 0
+        self.sender_group_rank = sender_rank if group is None or not distributed else dist.get_group_rank(group,
+                                                                                                          sender_rank)
+        self._plan = None  # weight_links.Plan: who sends which pieces (exchanged at the first per-rank sync)
 
     # ---- agreement between ranks -------------------------------------------------------------------
 
-    def _agree(self, error: Optional[BaseException], result: Any = None) -> Any:
-        """Every rank learns every rank's error and the sender's result; raise on all ranks if any failed."""
+    def _agree(self, error: Optional[BaseException], result: Any = None, link: Tuple[int, float] = (0, 0.0)) -> Any:
+        """Every rank learns every rank's error and the sender's result (a SyncStats gets every rank's ``link``:
+        bytes sent, seconds); raise on all ranks if any failed."""
         mine = (None if error is None else (type(error).__name__, str(error), isinstance(error, WeightMismatchError)),
-                result if self.is_sender else None)
+                result if self.is_sender else None, link)
         if self.world > 1:
             gathered: List[Any] = [None] * self.world
             dist.all_gather_object(gathered, mine, group=self.group)
@@ -401,13 +423,16 @@ class WeightSync:
             gathered = [mine]
         if error is not None:
             raise error
-        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+        failed = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
         if failed:
             r, (kind, message, mismatch) = failed[0]
             cls = WeightMismatchError if mismatch else WeightSyncError
             raise cls(f"weight sync failed on rank {r} ({kind}): {message}")
-        sender = self.sender_rank if self.group is None else dist.get_group_rank(self.group, self.sender_rank)
-        return gathered[sender][1]
+        result = gathered[self.sender_group_rank][1]
+        if isinstance(result, SyncStats):
+            result.link_bytes = [int(g[2][0]) for g in gathered]
+            result.link_seconds = [float(g[2][1]) for g in gathered]
+        return result
 
     # ---- API ------------------------------------------------------------------------------------------
 
@@ -418,19 +443,23 @@ class WeightSync:
 
         start = time.perf_counter()
         version = str(version)
-        source = iter_hf_weights(self.built, all_stages=True)
         error: Optional[BaseException] = None
-        stats = None
+        stats, link = None, (0, 0.0)
         try:
-            if self.is_sender or self.transport is not None:
-                stats = self._send(source, version)
+            if self.transport is None and self.config.per_rank:
+                stats, link = self._send_per_rank(version)
             else:
-                _drain(source)
+                source = iter_hf_weights(self.built, all_stages=True)
+                if self.is_sender or self.transport is not None:
+                    stats = self._send(source, version)
+                    link = (stats.bytes, time.perf_counter() - start)  # every rank has every tensor: one link
+                else:
+                    _drain(source)
         except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
             error = e
         if self.is_sender and stats is not None:
             stats.transfer_seconds = time.perf_counter() - start
-        stats = self._agree(error, stats)
+        stats = self._agree(error, stats, link)
         if self.config.check if check is None else check:
             stats.check = self.check(what=f"after syncing version {version}")
         stats.seconds = time.perf_counter() - start
@@ -439,6 +468,42 @@ class WeightSync:
                      stats.dtype, stats.buckets, stats.tensors, stats.seconds,
                      f"; probe max |dlogp| {stats.check.max_abs_diff:.2e}" if stats.check else "")
         return stats
+
+    def _send_per_rank(self, version: str) -> Tuple[Optional[SyncStats], Tuple[int, float]]:
+        """Every rank sends its own pieces to the sender (weight_links.py); returns (the sender's stats, this
+        rank's link: bytes, seconds)."""
+        from megatron_rl.rollout import weight_links
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        if self._plan is None:
+            direct = self.is_sender and isinstance(self.engine, EmbeddedEngine)
+            self._plan = weight_links.exchange_plan(self.built, self.group, self.sender_group_rank,
+                                                    self.dtype if self.is_sender else None, direct)
+            self.dtype = self._plan.dtype
+        plan, me = self._plan, self.group_rank
+        if not self.is_sender:
+            return None, (weight_links.send_pieces(self.built, plan, self.sender_rank, self.group)
+                          if plan.pieces[me] else (0, 0.0))
+        start = time.perf_counter()
+        if not plan.direct:
+            stats = self._send(weight_links.assemble_stream(self.built, plan, me, self.group), version)
+            return stats, (plan.link_bytes(me), time.perf_counter() - start)
+        error: Optional[BaseException] = None
+        with contextlib.ExitStack() as stack:
+            try:
+                target = stack.enter_context(self.engine.weight_update(version))
+            except Exception as e:  # noqa: BLE001 - the peers' pieces are still received (and dropped)
+                target, error = None, e
+            weight_links.receive_into(self.built, plan, me, self.group, target, self.config.bucket_bytes)
+        if error is not None:
+            raise error
+        total = sum(plan.link_bytes(r) for r in range(len(plan.pieces)))
+        names = len({p.name for ps in plan.pieces for p in ps})
+        if self.progress is not None:
+            self.progress(f"weight sync v{version}", total, total, "B")
+        return (SyncStats(version=version, seconds=0.0, transfer_seconds=0.0, gather_seconds=0.0, bytes=total,
+                          buckets=0, tensors=names, dtype=dtype_name(self.dtype)),
+                (plan.link_bytes(me), time.perf_counter() - start))
 
     def _send(self, source: Iterator[Tuple[str, torch.Tensor]], version: str) -> SyncStats:
         meter = _Meter(self.total_bytes, f"weight sync v{version}", self.config.progress and self.is_sender,

@@ -61,23 +61,40 @@ def _mismatch(fn):
     return None
 
 
+def _engine_differs(engine, full):
+    """Names whose engine tensor is not bit-equal to the trainer's exported HF tensor."""
+    return [n for n, t in full.items() if not torch.equal(engine.weights.resolve(n), t)]
+
+
 def _layouts_child(cases):
+    from dataclasses import replace
+
     from megatron_rl.models import mapping
+    from megatron_rl.models.weights import export_hf_state_dict
     from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
 
     out = {}
     for name, path, layout_kw in cases:
         built, engine = _build(path, layout_kw)
-        sync = WeightSync(built, engine, WeightSyncConfig(bucket_mb=BUCKET_MB, progress=False))
+        cfg = WeightSyncConfig(bucket_mb=BUCKET_MB, progress=False)
+        sync = WeightSync(built, engine, cfg)
         step0 = sync.check()  # the engine was started from the trainer's checkpoint
         _perturb(built)
         stale = _mismatch(sync.check)
-        stats = sync.sync(version=1)
+        res = dict(step0=step0.max_abs_diff, stale=stale)
+        # per rank, in place (EmbeddedEngine); per rank, assembled on the sender into buckets (any other
+        # engine); the all-gather export (per_rank=False): each after a new step, each exact
+        for key, target, c in (("in_place", engine, cfg), ("assembled", _Rewriting(engine, list), cfg),
+                               ("all_gather", engine, replace(cfg, per_rank=False))):
+            res[key] = WeightSync(built, target if engine is not None else None, c).sync(version=key)
+            full = export_hf_state_dict(built)
+            res[key + "_differs"] = None if engine is None else _engine_differs(engine, full)
+            _perturb(built)
         expected = mapping.hf_shapes(built.arch)
-        out[name] = dict(step0=step0.max_abs_diff, stale=stale, stats=stats, expected_tensors=len(expected),
-                         expected_bytes=4 * sum(math.prod(shape) for shape in expected.values()))
+        res.update(expected_tensors=len(expected), expected_bytes=4 * sum(math.prod(s) for s in expected.values()))
         if engine is not None:
-            out[name]["engine_version"] = engine.weight_version
+            res["engine_version"] = engine.weight_version
+        out[name] = res
     return out
 
 
@@ -90,20 +107,31 @@ def test_sync_matches_trainer_across_layouts(tmp_path):
              ("tied pp2", tied, dict(pp=2)), ("moe ep2", moe, dict(ep=2))]
     results = run_distributed(_layouts_child, 2, cases, timeout_s=220)
     limit = int(BUCKET_MB * (1 << 20))
-    print("\n| case | step-0 diff | synced diff | buckets | tensors | bytes |")
+    print("\n| case | path | step-0 diff | synced diff | buckets | tensors | bytes | bytes per link |")
     for name, r in results[0].items():
-        s = r["stats"]
-        print(f"| {name} | {r['step0']:.2e} | {s.check.max_abs_diff:.2e} | {s.buckets} | {s.tensors} | {s.bytes} |")
-        assert r["step0"] <= ATOL and s.check.max_abs_diff <= ATOL, name
+        for path in ("in_place", "assembled", "all_gather"):
+            s = r[path]
+            print(f"| {name} | {path} | {r['step0']:.2e} | {s.check.max_abs_diff:.2e} | {s.buckets} | {s.tensors} | "
+                  f"{s.bytes} | {s.link_bytes} |")
+            assert r["step0"] <= ATOL and s.check.max_abs_diff <= ATOL, (name, path)
+            assert r[path + "_differs"] == [], (name, path)  # bit-exact: every element sent once, to its place
+            assert (s.tensors, s.bytes) == (r["expected_tensors"], r["expected_bytes"]), (name, path)
+            assert s.dtype == "float32"
+            # every byte crosses exactly one link; with TP, PP or EP both ranks send (DP replicas do not)
+            assert sum(s.link_bytes) == s.bytes, (name, path, s.link_bytes)
+            assert (s.link_bytes[1] > 0) == (path != "all_gather" and "dp2" not in name), (name, path, s.link_bytes)
+            assert set(s.link_metrics()) == {f"weight_sync/link{i}/{k}" for i, n in enumerate(s.link_bytes) if n
+                                             for k in ("bytes", "gb_per_s")}
+            for other in results[1:]:  # every rank returns the sender's stats
+                assert other[name][path].link_bytes == s.link_bytes and other[name][path].bytes == s.bytes
         assert r["stale"] is not None and "differ from the trainer's" in r["stale"], (name, r["stale"])
-        assert (s.tensors, s.bytes) == (r["expected_tensors"], r["expected_bytes"]), name
-        assert s.dtype == "float32" and r["engine_version"] == "1"
-        # bucket limit: exceeded only by a bucket holding one tensor larger than the limit
-        for nbytes, count in zip(s.bucket_bytes, s.bucket_tensors):
-            assert nbytes <= limit or count == 1, (name, nbytes, count)
-        assert any(n > limit for n in s.bucket_bytes) and any(c > 1 for c in s.bucket_tensors), name
-        for other in results[1:]:  # every rank returns the sender's stats
-            assert other[name]["stats"].bucket_bytes == s.bucket_bytes
+        assert r["engine_version"] == "all_gather" and r["in_place"].buckets == 0
+        for path in ("assembled", "all_gather"):  # bucket limit: exceeded only by a lone tensor over the limit
+            s = r[path]
+            for nbytes, count in zip(s.bucket_bytes, s.bucket_tensors):
+                assert nbytes <= limit or count == 1, (name, nbytes, count)
+            assert any(n > limit for n in s.bucket_bytes) and any(c > 1 for c in s.bucket_tensors), name
+        for other in results[1:]:
             assert other[name]["stale"] is not None
 
 
@@ -190,6 +218,16 @@ def _transports_child(path):
             out["rejected"] = None
         except (WeightSyncError, ValueError) as e:
             out["rejected"] = (type(e).__name__, str(e))
+        # the in-place path: an engine that cannot take weights (shut down) fails on every rank after rank 1's
+        # pieces were received and dropped (nothing left blocked); the next sync works
+        gone = EmbeddedEngine.from_pretrained(path) if sender else None
+        if gone is not None:
+            gone.shutdown()
+        try:
+            WeightSync(built, gone, cfg).sync(version="y")
+            out["in_place_rejected"] = None
+        except Exception as e:  # noqa: BLE001
+            out["in_place_rejected"] = (type(e).__name__, str(e))
         out["recovered"] = WeightSync(built, local, cfg).sync(version=2).check.max_abs_diff
     finally:
         for s in servers:
@@ -216,4 +254,6 @@ def test_http_transports_bf16_and_corruption(tmp_path):
             assert msg is not None and "differ from the trainer's by up to" in msg and "at probe position" in msg, msg
     assert r0["rejected"][0] == "WeightUpdateError" and "bogus" in r0["rejected"][1]
     assert r1["rejected"][0] == "WeightSyncError" and "rank 0" in r1["rejected"][1]
+    assert r0["in_place_rejected"][0] == "EngineUnavailableError", r0["in_place_rejected"]
+    assert r1["in_place_rejected"][0] == "WeightSyncError" and "rank 0" in r1["in_place_rejected"][1]
     assert r0["recovered"] <= ATOL

@@ -17,7 +17,7 @@ from megatron_rl.metrics import read_metrics
 from run_helpers import TINY_RECIPE, check_ok, quick_assets, run_cli, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-_TIMING = ("time/", "perf/", "sync/seconds")
+_TIMING = ("time/", "perf/", "sync/seconds", "sync/link")
 _ASYNC = ["rollout.mode=async", "rollout.placement=disaggregated", "eval.interval=0", "checkpoint.save_hf=false",
           "checkpoint.interval=1"]
 

@@ -31,7 +31,7 @@ FLAKY_REWARD = textwrap.dedent("""
         return float(response.strip() == label)
 """)
 # compared exactly between runs: everything but wall-clock measurements
-_TIMING = ("time/", "perf/", "sync/seconds", "memory/")  # (and resident memory)
+_TIMING = ("time/", "perf/", "sync/seconds", "sync/link", "memory/")  # (and resident memory, link rates)
 
 
 @pytest.fixture(scope="module")

@@ -177,6 +177,27 @@ def test_update_weights_accepts_per_expert_hf_names():
         assert torch.equal(engine.model.state_dict()[name], t), name
 
 
+def test_weight_update_in_place_slots_validate_and_flag_failures():
+    """The per-rank weight sync writes pieces into ``weight_update``'s target: each slot is checked against the
+    trainer's full shape; a failure inside leaves the engine flagged and the version unchanged."""
+    engine = EmbeddedEngine(tiny_qwen3(seed=0))
+    weights = dict(other_weights(tiny_qwen3, seed=1))
+    with engine.weight_update(version=5) as target:
+        for name, t in weights.items():
+            half = t.shape[0] // 2  # two pieces per tensor, as two TP ranks would send them
+            slot = target.slot(name, t.shape)
+            slot[:half].copy_(t[:half])
+            slot[half:].copy_(t[half:])
+    assert engine.weight_version == "5" and engine.health().healthy
+    assert all(torch.equal(engine.weights.resolve(n), t) for n, t in weights.items())
+    with pytest.raises(WeightUpdateError, match=r"unknown name 'model.layers.0.self_attn.qq_proj.weight' \(closest"):
+        with engine.weight_update(version=6) as target:
+            target.slot("model.layers.0.self_attn.qq_proj.weight", (32, 32))
+    assert engine.weight_version == "5" and not engine.health().healthy
+    with pytest.raises(WeightUpdateError, match=r"model.norm.weight has shape \(3, 3\) on the trainer, \(32,\)"):
+        engine.weights.slot("model.norm.weight", (3, 3))
+
+
 def test_release_and_resume_memory(model):
     engine = EmbeddedEngine(model)
     engine.release_memory()
