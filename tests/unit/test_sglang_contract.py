@@ -141,7 +141,7 @@ def session(sglang_python):
     try:
         processed = Recording(dense.url, log, logprob_mode="processed")
         engine = RemoteEngine([processed], weight_transport="distributed", pause_mode="in_place")
-        samples = engine.generate([
+        engine.generate([
             GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=4, seed=7, n=3, top_p=0.9, top_k=20,
                                                       temperature=0.8, stop_token_ids=(5,)),
                             return_top_logprobs=2, rid="grp-0", return_sampling_logprobs=True),
@@ -177,7 +177,7 @@ def session(sglang_python):
         dense.stop()
         moe.stop()
     judged = run_side(sglang_python, "validate_requests.py", {"vocab_size": VOCAB, "requests": log})
-    return dict(log=log, judged=judged, samples=samples, events=rank.events, buckets=buckets)
+    return dict(log=log, judged=judged, events=rank.events, buckets=buckets)
 
 
 def test_every_request_we_send_is_accepted_by_sglang_with_no_field_dropped(session):
