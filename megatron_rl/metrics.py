@@ -92,6 +92,10 @@ def _truncate_jsonl(path: str, keep_through: int) -> Optional[int]:
     return last
 
 
+# metrics that measure wall-clock time (and rates from it): they differ between otherwise identical runs
+WALL_CLOCK = ("time/", "perf/", "sync/seconds", "sync/link")
+
+
 def read_metrics(output_dir: str):
     """The ``metrics.jsonl`` lines of a run, as dicts (tests, tools)."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
