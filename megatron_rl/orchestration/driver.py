@@ -41,7 +41,6 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
     history: List[Dict[str, float]] = []
     watch = NoUpdateWatch(cfg.logging.warn_no_update_steps)
     with StopSignals(cfg.checkpoint.on_signal) as stop, Run(cfg) as run:
-        stop.install()  # again: ray.init put its own SIGTERM handler in place
         first = {"time/startup": run.startup_seconds}
         if run.start_step == 0 and cfg.eval.interval:
             history.append(run.log(0, {**first, **run.evaluate(0)}))  # the baseline, before any update

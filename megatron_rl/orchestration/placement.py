@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_rl.config import ClusterConfig, RolloutConfig
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
+from megatron_rl.orchestration.signals import keep_handlers
 from megatron_rl.orchestration.ray_guard import Guard
 from megatron_rl.orchestration.trainer_worker import TrainerSpec, TrainerWorker
 
@@ -75,7 +76,8 @@ def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
            "RAY_USAGE_STATS_ENABLED": "0"}
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if cluster.address:
-        ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level="warning")
+        with keep_handlers():
+            ray.init(address=cluster.address, runtime_env={"env_vars": env}, logging_level="warning")
         return None
     num_cpus = cluster.num_cpus or max(float(os.cpu_count() or 1), needed_cpus)
     cpu_only = cluster.gpus_per_trainer == 0 and cluster.gpus_per_engine == 0
@@ -83,10 +85,11 @@ def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
     store = 512 * 1024**2 if cpu_only else None
     guard = Guard()
     try:
-        with _loopback_only():
+        with _loopback_only(), keep_handlers():
             ray.init(address="local", num_cpus=int(-(-num_cpus // 1)), include_dashboard=False,
                      logging_level="warning", runtime_env={"env_vars": env}, object_store_memory=store)
     except BaseException:
+        ray.shutdown()  # a start cut short (a signal) may have left part of Ray running
         guard.release()
         raise
     guard.watch(ray._private.worker._global_node.get_session_dir_path())  # every Ray process logs in there

@@ -4,15 +4,17 @@ Without ``checkpoint.on_signal`` the first signal raises :class:`Interrupted` (a
 wherever the driver is: the run closes its workers and Ray and exits with ``128 + signal``; the latest
 checkpoint is where ``resume=true`` continues. With it, the first signal is only noted: the driver finishes
 the step, checkpoints it and then stops (a second signal stops at once). Ray's own SIGTERM handler (a bare
-``sys.exit``, installed by ``ray.init``) is replaced: :meth:`StopSignals.install` is called again once Ray is up.
+``sys.exit(15)``, installed by ``ray.init``: a SIGTERM would end the run with no message and no checkpoint)
+never stays in place: ``ray.init`` runs inside :func:`keep_handlers`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -60,3 +62,19 @@ class StopSignals:
             return
         logger.warning("%s: stopping now (the latest checkpoint is where resume=true continues)", name)
         raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def keep_handlers() -> Iterator[None]:
+    """Around ``ray.init``: restores the SIGTERM handler it replaces with ``sys.exit(15)``; a SIGTERM that
+    lands inside it (Ray half started) becomes :class:`Interrupted`, stopping the run like any other."""
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        raise Interrupted(signal.SIGTERM) from None
+    finally:
+        if threading.current_thread() is threading.main_thread() and saved is not None:
+            signal.signal(signal.SIGTERM, saved)

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_rl.orchestration import failures, ray_guard
 from megatron_rl.orchestration.driver import NoUpdateWatch, warn_numerics
-from megatron_rl.orchestration.signals import Interrupted, StopSignals
+from megatron_rl.orchestration.signals import Interrupted, StopSignals, keep_handlers
 from megatron_rl.training import checkpoint_integrity as integrity
 
 from run_helpers import TINY_RECIPE, quick_assets, tiny_overrides
@@ -102,6 +102,26 @@ def test_signals_graceful_then_immediate(caplog):
             os.kill(os.getpid(), signal.SIGINT)
         assert isinstance(info.value, KeyboardInterrupt) and info.value.signum == signal.SIGINT
     assert signal.getsignal(signal.SIGTERM) == before  # restored
+
+
+def test_ray_init_leaves_the_runs_sigterm_handler_in_place():
+    """ray.init sets ``sys.exit(signum)`` as the SIGTERM handler (through this very function); a SIGTERM
+    between it and the loop used to end a run with exit 15, no message and no checkpoint."""
+    from ray._private.utils import set_sigterm_handler
+
+    def ray_handler(signum, _frame):
+        sys.exit(signum)
+
+    with StopSignals(graceful=True) as stop:
+        with keep_handlers():
+            set_sigterm_handler(ray_handler)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM
+        with pytest.raises(Interrupted) as info, keep_handlers():  # a SIGTERM inside ray.init itself
+            set_sigterm_handler(ray_handler)
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert info.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
 
 
 def test_no_update_watch_and_numerics_warnings(caplog):
