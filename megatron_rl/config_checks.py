@@ -133,6 +133,9 @@ def _rollout(cfg: RunConfig, out: List[str]) -> None:
     if r.engine != "remote" and r.urls:
         out.append(f"rollout.urls={r.urls} is only used with rollout.engine='remote' (engine is {r.engine!r}); "
                    "remove urls or set engine: remote")
+    for name in ("max_concurrency", "max_samples_in_flight"):
+        if getattr(r, name) < 1:
+            out.append(f"rollout.{name}={getattr(r, name)} must be >= 1 (requests in flight; e.g. 64 / 256)")
     if r.overlapped and r.placement == "colocated":
         out.append(f"rollout.mode={r.mode!r} generates while the trainer trains, but rollout.placement='colocated' "
                    "engines share the trainer's devices and release their memory while it runs, so nothing can "

@@ -106,7 +106,8 @@ def _engine(setup: EvalSetup, closers: list):
                                          threads=torch.get_num_threads()))
         closers.append(worker.stop)
         urls = [worker.start()]
-    remote = RemoteEngine([SGLangClient(u, timeout_s=r.request_timeout_s, logprob_mode=r.logprob_mode) for u in urls],
+    remote = RemoteEngine([SGLangClient(u, timeout_s=r.request_timeout_s, logprob_mode=r.logprob_mode,
+                                        max_in_flight=r.max_samples_in_flight) for u in urls],
                           policy=r.balancer, max_concurrency=r.max_concurrency)
     closers.append(remote.shutdown)
     return remote

@@ -182,7 +182,8 @@ class Run:
             arch = load_arch(cfg.model.hf_path)
             self.routing = RoutingLayout.from_arch(arch)
             layout = expert_layout(arch)
-        clients = [SGLangClient(u, timeout_s=r.request_timeout_s, expert_layout=layout, logprob_mode=r.logprob_mode)
+        clients = [SGLangClient(u, timeout_s=r.request_timeout_s, expert_layout=layout, logprob_mode=r.logprob_mode,
+                                max_in_flight=r.max_samples_in_flight)
                    for u in urls]
         self.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
         self._closers.append(self.engine.shutdown)

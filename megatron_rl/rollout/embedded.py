@@ -16,7 +16,7 @@ How request seeds are used (``EmbeddedEngineConfig.seeds``):
 * ``"ignored"``: SGLang without that flag -- ``sampling_seed`` has no effect, every sample draws from the
   engine's stream.
 
-Rows are built lazily, ``max_batch_rows`` at a time, so a request's size costs memory per batch, not per
+Rows are built lazily, as places in the running batch free up, so a request's size costs memory per batch, not per
 request (the HTTP server also caps it).
 """
 
@@ -28,18 +28,19 @@ import itertools
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rl.rollout.decode_batch import DecodeBatch, Row
 from megatron_rl.rollout.hf_weights import HFWeightTarget
 from megatron_rl.rollout.protocol import (
     LOGPROB_MODES, EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample,
 )
 from megatron_rl.rollout.routing import RoutingRecorder
 from megatron_rl.rollout.sampling import RowParams, derive_seed, make_generator, sample_next
-from megatron_rl.rollout.weight_versions import WeightVersionEvent, compute_spans, record_event
+from megatron_rl.rollout.weight_versions import compute_spans, record_event
 
 
 SEED_MODES = ("derived", "deterministic", "ignored")
@@ -75,23 +76,9 @@ class EmbeddedEngineConfig:
             raise ValueError(f"EmbeddedEngineConfig.seeds={self.seeds!r}: expected one of {SEED_MODES}")
 
 
-@dataclass
-class _Row:
-    """One sequence being sampled: request ``req``'s sample number ``index``."""
-
-    req: GenerateRequest
-    index: int
-    seed: int
-    rid: str
-    tokens: List[int]
-    logprobs: List[float]
-    top_ids: List[torch.Tensor]
-    top_values: List[torch.Tensor]
-    finish: Optional[str] = None
-    matched: Optional[int] = None
-    processed: Optional[List[float]] = None  # "processed" log-probs, when the request asked for them
-    abort_message: Optional[str] = None
-    version_events: List[WeightVersionEvent] = field(default_factory=list)  # weight_versions.py
+class _Task:
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.result, self.error, self.done = fn, None, None, threading.Event()
 
 
 def _eos_ids(model: torch.nn.Module) -> Tuple[int, ...]:
@@ -115,9 +102,14 @@ class EmbeddedEngine(RolloutEngine):
         # version changes are recorded on the rows being generated (SGLang's weight-version spans); the lock
         # orders them with token appends, since a version change may come from another thread mid-batch
         self._version_lock = threading.Lock()
-        self._live: List[_Row] = []
+        self._live: List[Row] = []
         self.weights_consistent = True  # False after a failed multi-bucket update (see update_weights)
         self._lock = threading.RLock()  # one forward pass sequence at a time; weight updates wait for it
+        # threads waiting in _exclusive(): the running batch takes no new rows and hands the lock over once empty
+        self._waiters = 0
+        self._waiters_cv = threading.Condition()
+        self._tasks: List[_Task] = []  # work run between decode steps (_on_engine)
+        self._tasks_lock = threading.Lock()
         self._seed_gen = make_generator(self.config.seed)
         self._released = False
         self._offloaded: Optional[dict] = None
@@ -146,19 +138,13 @@ class EmbeddedEngine(RolloutEngine):
     def generate(self, requests: Sequence[GenerateRequest]) -> List[Sample]:
         for req in requests:
             self.check_request(req)
-        rows = itertools.chain.from_iterable(self.rows(req) for req in requests)
-        samples: List[Sample] = []
-        while True:
-            batch = list(itertools.islice(rows, self.config.max_batch_rows))
-            if not batch:
-                return samples
-            samples.extend(self.generate_rows(batch))
+        return self.generate_rows(itertools.chain.from_iterable(self.rows(req) for req in requests))
 
     def _stream_seed(self) -> int:
         with self._lock:  # the stream is shared: draw under the lock to keep arrival order
             return int(torch.randint(0, 2**62, (), generator=self._seed_gen))
 
-    def rows(self, req: GenerateRequest) -> Iterator["_Row"]:
+    def rows(self, req: GenerateRequest) -> Iterator["Row"]:
         """The ``n`` sequences to sample for ``req``, built one at a time (seeds: module doc)."""
         rid = req.rid or uuid.uuid4().hex
         mode, seed = self.config.seeds, req.sampling.seed
@@ -169,7 +155,7 @@ class EmbeddedEngine(RolloutEngine):
         for j in range(req.sampling.n):
             row_seed = {"derived": lambda: derive_seed(seed, j), "deterministic": lambda: seed,
                         "ignored": self._stream_seed}[mode]()
-            yield _Row(req, j, row_seed, rid, [], [], [], [], processed=[] if req.return_sampling_logprobs else None)
+            yield Row(req, j, row_seed, rid, [], [], [], [], processed=[] if req.return_sampling_logprobs else None)
 
     def check_request(self, req: GenerateRequest) -> None:
         """Raise ValueError if this engine cannot serve ``req`` (the server answers 400 with it)."""
@@ -193,7 +179,7 @@ class EmbeddedEngine(RolloutEngine):
         """Copy every bucket into the model, then set the version. Each bucket is validated whole before
         any of it is copied; if bucket ``k`` is rejected, buckets ``< k`` stay applied, the version is not
         advanced and ``weights_consistent`` turns False (reported by ``health``) until a full update."""
-        with self._lock:
+        with self._exclusive():
             self._require_live()
             applied = 0
             try:
@@ -211,7 +197,7 @@ class EmbeddedEngine(RolloutEngine):
     def weight_update(self, version: Any) -> Iterator[HFWeightTarget]:
         """Write the weights in place (a per-rank weight sync assembles trainer shards into them), then set
         the version; an exception inside leaves ``weights_consistent`` False until a full update."""
-        with self._lock:
+        with self._exclusive():
             self._require_live()
             try:
                 yield self.weights
@@ -235,35 +221,68 @@ class EmbeddedEngine(RolloutEngine):
         """``[L - 1]`` teacher-forced log-probs of ``token_ids[1:]`` at temperature 1 (protocol doc), from one
         forward of the unpadded sequence (no KV cache, so nothing depends on how generation batches)."""
         self.check_request(GenerateRequest(tuple(token_ids)))  # ids in the vocabulary, room in the context
-        with self._lock, torch.no_grad():
-            self._require_live()
-            if self._released:
-                raise EngineUnavailableError("engine memory is released; call resume_memory() before scoring")
-            ids = torch.tensor([list(token_ids)], device=self.device)
-            logits = self.model(input_ids=ids).logits[0, :-1].float()  # [L-1, V]: position t predicts t+1
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
-        return [logprobs.cpu()]
+        return [self._on_engine(lambda: self._score(token_ids))]
 
     def prompt_logprobs_and_routes(self, token_ids: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`prompt_logprobs` plus the ``[L, MoE layers, topk]`` experts each token was routed to, from the
         same forward (one replica)."""
         if not self.routing.is_moe:
             raise ValueError("prompt routes need an MoE model")
-        with self._lock:
+        self.check_request(GenerateRequest(tuple(token_ids)))
+
+        def score():
             self.routing.pop()
             self.routing.enabled = True
             try:
-                (logprobs,) = self.prompt_logprobs(token_ids)
-                layers = self.routing.pop()
+                logprobs = self._score(token_ids)
+                return logprobs, torch.stack(self.routing.pop(), dim=1)
             finally:
                 self.routing.enabled = False
-        return [(logprobs, torch.stack(layers, dim=1))]
+        return [self._on_engine(score)]
+
+    def _score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self._require_live()
+        if self._released:
+            raise EngineUnavailableError("engine memory is released; call resume_memory() before scoring")
+        with torch.no_grad():
+            ids = torch.tensor([list(token_ids)], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, :-1].float()  # [L-1, V]: position t predicts t+1
+            return torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
+
+    def _on_engine(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under the engine lock: between two decode steps of the running batch, or at once when none
+        runs. Scoring does not wait for the batch to finish (SGLang scores a prompt inside its running batch;
+        a weight-sync probe would otherwise stall generation until every running row is done)."""
+        task = _Task(fn)
+        with self._tasks_lock:
+            self._tasks.append(task)
+        while not task.done.is_set():
+            if self._lock.acquire(timeout=0.005):  # no batch runs (or it is paused): run the tasks here
+                try:
+                    self._run_tasks()
+                finally:
+                    self._lock.release()
+            else:
+                task.done.wait(0.005)
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def _run_tasks(self) -> None:
+        with self._tasks_lock:
+            tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            try:
+                task.result = task.fn()
+            except BaseException as e:  # noqa: BLE001 - raised in the thread that asked
+                task.error = e
+            task.done.set()
 
     def release_memory(self) -> None:
         """On CUDA: move weights to host memory, freeing the device. On CPU there is nothing to hand to a
         colocated trainer (weights already live in host memory), so only the state changes: ``generate``
         refuses until ``resume_memory`` -- the same contract the driver sees with SGLang."""
-        with self._lock:
+        with self._exclusive():
             self._require_live()
             if self._released:
                 return
@@ -274,7 +293,7 @@ class EmbeddedEngine(RolloutEngine):
             self._released = True
 
     def resume_memory(self) -> None:
-        with self._lock:
+        with self._exclusive():
             self._require_live()
             if self._offloaded is not None:
                 self.model.to(self._offloaded["device"])
@@ -319,6 +338,24 @@ class EmbeddedEngine(RolloutEngine):
 
     # ---- the decode loop --------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The engine lock for anything but generation. Like SGLang's writer-preferring model-update lock, a
+        waiter stops new rows from joining the running batch and gets the lock once the batch is empty (or
+        paused: a paused batch lets go of it)."""
+        with self._waiters_cv:
+            self._waiters += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiters_cv:
+                self._waiters -= 1
+                self._waiters_cv.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _require_live(self) -> None:
         if self._shut:
             raise EngineUnavailableError("the engine was shut down")
@@ -329,75 +366,116 @@ class EmbeddedEngine(RolloutEngine):
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :], new_cache
 
-    def aborted_sample(self, row: _Row) -> Sample:
+    def aborted_sample(self, row: Row) -> Sample:
         """The answer for a row aborted before it was generated."""
-        version = self.weight_version
-        return Sample(prompt_ids=list(row.req.prompt_ids), response_ids=[], logprobs=[], finish_reason="abort",
-                      weight_version=version, logprob_mode=self.config.logprob_mode, rid=row.rid,
-                      sample_index=row.index, sampling_logprobs=[] if row.processed is not None else None,
-                      weight_versions=compute_spans([], version, 0))
+        return row.to_sample(compute_spans([], self.weight_version, 0), self.config.logprob_mode, finish="abort")
 
-    def generate_rows(self, rows: List[_Row]) -> List[Sample]:
-        """Sample one batch of rows (from :meth:`rows`) to the end; one sample per row, in order."""
+    def generate_rows(self, rows: Iterable[Row]) -> List[Sample]:
+        """Sample ``rows`` (from :meth:`rows`) to the end; one sample per row, in order. Rows are pulled from the
+        iterable only as places in the batch free up (``max_batch_rows``), never all up front."""
+        source, order, out = iter(rows), [], {}
+
+        def take(free: int) -> List[Row]:
+            new = list(itertools.islice(source, free))
+            order.extend(new)
+            return new
+        self.generate_stream(take, lambda row, sample: out.__setitem__(id(row), sample))
+        return [out[id(r)] for r in order]
+
+    def generate_stream(self, take: Callable[[int], List[Row]], deliver: Callable[[Row, Sample], None]) -> None:
+        """Continuous batching: ``take(free)`` gives up to ``free`` rows to join the running batch between decode
+        steps (until it gives none and the batch is empty); each row's sample goes to ``deliver(row, sample)``
+        as soon as it is finished. A row's tokens do not depend on when it joins or who it runs with (one seeded
+        generator per row); its log-probs may move by float rounding (~1e-6). Raises if generation fails; the
+        rows not delivered are lost with the error."""
+        with self._waiters_cv:
+            self._waiters_cv.wait_for(lambda: self._waiters == 0)
         with self._lock, torch.no_grad():
             self._require_live()
             if self._released:
                 raise EngineUnavailableError("engine memory is released; call resume_memory() before generate()")
             self.busy_since = self.last_progress = time.monotonic()
+            batch = DecodeBatch()
             try:
-                return self._generate_rows(rows)
+                self._decode(batch, take, deliver)
             finally:
                 self.busy_since = None
+                self.routing.enabled = False
+                self.routing.pop()
+                for r in batch.rows:
+                    self._aborted.discard(r.rid)
+                with self._version_lock:
+                    self._live = []
 
-    def _generate_rows(self, rows: List[_Row]) -> List[Sample]:
-        epoch = self._abort_epoch
-        B = len(rows)
+    def _decode(self, batch: DecodeBatch, take, deliver) -> None:
+        # One iteration: [pause point] forward the batch's last tokens, prefill joining rows, sample. No pause
+        # between a forward and the sampling of its logits: a token's version is that of the weights that
+        # computed it.
+        fill = self.config.fill_last_routing
+        while True:
+            self._wait_if_paused(batch)
+            if self._tasks:
+                self._run_tasks()
+            if batch.rows:
+                self.routing.enabled = batch.wants_routes
+                batch.logits, batch.cache = self._forward(*batch.decode_inputs(), batch.cache)
+                if batch.wants_routes:
+                    for b, layers in enumerate(zip(*self.routing.pop())):
+                        batch.rows[b].routes.append(torch.stack(layers, dim=0))
+                done = [r.finish is not None for r in batch.rows]  # fed once more only for their routes
+                if any(done):
+                    self._deliver([r for r, d in zip(batch.rows, done) if d], deliver)
+                    batch.keep([not d for d in done])
+            free = self.config.max_batch_rows - len(batch)
+            if free > 0 and self._waiters == 0 and batch.can_join():
+                new = take(free)
+                if new:
+                    self._join(batch, new)
+            if not batch.rows:
+                return
+            res = sample_next(batch.logits, batch.params, batch.generators, self.config.logprob_mode, batch.top_n)
+            self._record_step(batch.rows, res)
+            batch.tokens = res.tokens
+            # a row that just finished leaves now, unless the forward of its last token is wanted for its routes
+            feed = [r.finish is None or (fill and r.req.return_routed_experts and r.finish != "abort" and
+                                         len(r.routes) < len(r.tokens)) for r in batch.rows]
+            if not all(feed):
+                self._deliver([r for r, f in zip(batch.rows, feed) if not f], deliver)
+                batch.keep(feed)
+
+    def _join(self, batch: DecodeBatch, rows: List[Row]) -> None:
+        """Prefill ``rows`` and add them to the running batch."""
         lens = [len(r.req.prompt_ids) for r in rows]
         P = max(lens)
+        for r, n in zip(rows, lens):
+            r.generator, r.epoch, r.n_prompt = make_generator(r.seed), self._abort_epoch, n
+            r.limit = min(r.req.sampling.max_new_tokens, self.max_context - n)
         ids = torch.tensor([[0] * (P - n) + list(r.req.prompt_ids) for r, n in zip(rows, lens)], device=self.device)
         mask = torch.tensor([[0] * (P - n) + [1] * n for n in lens], device=self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        params = RowParams.from_params([r.req.sampling for r in rows])
-        gens = [make_generator(r.seed) for r in rows]
-        top_n = max(r.req.return_top_logprobs for r in rows)
         want_routes = any(r.req.return_routed_experts for r in rows)
         self.routing.enabled = want_routes
-        routes: List[List[torch.Tensor]] = []  # per forward: [L] x [B*S, K]
-        limits = [min(r.req.sampling.max_new_tokens, self.max_context - n) for r, n in zip(rows, lens)]
+        logits, cache = self._prefill(rows, ids, mask, pos, share=not want_routes)
+        if want_routes:
+            layers = self.routing.pop()  # [L] x [n * P, K]
+            for b, (r, n) in enumerate(zip(rows, lens)):
+                r.prompt_routes = torch.stack([layer.view(len(rows), P, -1)[b, P - n:] for layer in layers], dim=1)
         with self._version_lock:
-            self._live = rows
-        try:
-            self._wait_if_paused(epoch)
-            logits, cache = self._prefill(rows, ids, mask, pos, share=not want_routes)
-            if want_routes:
-                routes.append(self.routing.pop())
-            for step in itertools.count():
-                res = sample_next(logits, params, gens, self.config.logprob_mode, top_n)
-                self._record_step(rows, res, limits, epoch)
-                if all(r.finish for r in rows):
-                    break
-                self._wait_if_paused(epoch)
-                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                pos = pos[:, -1:] + 1
-                logits, cache = self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos, cache)
-                if want_routes:
-                    routes.append(self.routing.pop())
-            if want_routes and self.config.fill_last_routing:
-                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-                self._forward(res.tokens.unsqueeze(1).to(self.device), mask, pos[:, -1:] + 1, cache)
-                routes.append(self.routing.pop())
-        finally:
-            self.routing.enabled = False
-            self.routing.pop()
-            for r in rows:
-                self._aborted.discard(r.rid)
-            with self._version_lock:  # the spans are final once the rows leave the live set
-                self._live = []
-                spans = [compute_spans(r.version_events, self.weight_version, len(r.tokens)) for r in rows]
-        return [self._to_sample(b, r, lens[b], P, routes, spans[b]) for b, r in enumerate(rows)]
+            batch.join(rows, mask, pos, cache, logits)
+            self._live = list(batch.rows)
+        self.last_progress = time.monotonic()
 
-    def _prefill(self, rows: List[_Row], ids, mask, pos, share: bool):
-        """The prompt forward of a batch: ``(last-position logits [B, V], KV cache of B rows)``.
+    def _deliver(self, rows: List[Row], deliver) -> None:
+        with self._version_lock:  # the spans are final once the rows leave the live set
+            gone = {id(r) for r in rows}
+            self._live = [r for r in self._live if id(r) not in gone]
+            spans = [compute_spans(r.version_events, self.weight_version, len(r.tokens)) for r in rows]
+        for r, sp in zip(rows, spans):
+            self._aborted.discard(r.rid)
+            deliver(r, r.to_sample(sp, self.config.logprob_mode))
+
+    def _prefill(self, rows: List[Row], ids, mask, pos, share: bool):
+        """The prompt forward of new rows: ``(last-position logits [n, V], KV cache of n rows)``.
 
         Rows with the same prompt (the ``n`` samples of a request, SGLang's shared prefix) share one
         forward: the distinct prompts are run once and their logits and cache rows are copied out to
@@ -417,14 +495,15 @@ class EmbeddedEngine(RolloutEngine):
         cache.batch_select_indices(expand)
         return logits.index_select(0, expand), cache
 
-    def _wait_if_paused(self, epoch: int) -> None:
+    def _wait_if_paused(self, batch: DecodeBatch) -> None:
         """Hold the batch while paused. The lock is let go meanwhile so weight updates and version changes
         go through (SGLang's in-place pause, used for partial rollouts): tokens after ``continue`` then
         come from the new weights (over the KV cache the old ones computed, as SGLang's in-place pause
         keeps it), and ``Sample.weight_versions`` says which version produced which tokens."""
         if self._unpaused.is_set():
             return
-        self._lock.release()  # held exactly once here: _generate_rows is the only caller
+        epoch = min((r.epoch for r in batch.rows), default=self._abort_epoch)
+        self._lock.release()  # held exactly once here: generate_stream is the only caller
         try:
             while not self._unpaused.wait(timeout=0.05):
                 if self._abort_epoch != epoch or self._shut:
@@ -432,19 +511,18 @@ class EmbeddedEngine(RolloutEngine):
         finally:
             self._lock.acquire()
         self._require_live()
-        if self._released:
+        if self._released and batch.rows:
             raise EngineUnavailableError("memory was released while generation was paused; the batch is lost")
 
-    def _record_step(self, rows: List[_Row], res, limits: List[int], epoch: int) -> None:
+    def _record_step(self, rows: List[Row], res) -> None:
         self.last_progress = time.monotonic()
-        abort_all = self._abort_epoch != epoch
         tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()  # one conversion, not one per row
         processed, support = res.processed.tolist(), res.support.tolist()
         cap = self.config.sampling_mask_max_tokens
         for b, r in enumerate(rows):
             if r.finish:
                 continue
-            if abort_all or r.rid in self._aborted:
+            if self._abort_epoch != r.epoch or r.rid in self._aborted:
                 r.finish = "abort"
                 continue
             if r.processed is not None and support[b] > cap:  # SGLang aborts the request (status OVERFLOW)
@@ -464,27 +542,5 @@ class EmbeddedEngine(RolloutEngine):
             sp = r.req.sampling
             if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
                 r.finish, r.matched = "stop", tok
-            elif len(r.tokens) >= limits[b]:
+            elif len(r.tokens) >= r.limit:
                 r.finish = "length"
-
-    def _to_sample(self, b: int, r: _Row, n_prompt: int, P: int, routes: List[List[torch.Tensor]], spans) -> Sample:
-        top_ids = torch.stack(r.top_ids) if r.top_ids else None
-        top_values = torch.stack(r.top_values) if r.top_values else None
-        routed = prompt_routed = None
-        if r.req.return_routed_experts and routes:
-            B = len(routes[0][0]) // P  # prefill records are [B*P, K]
-            pre = torch.stack([layer.view(B, P, -1)[b, P - n_prompt:] for layer in routes[0]], dim=1)
-            prompt_routed = pre  # [P_b, L, K]
-            R = len(r.tokens)
-            L, K = pre.shape[1], pre.shape[2]
-            routed = torch.full((R, L, K), -1, dtype=torch.int32)
-            # response token t is fed (and routed) by forward t+1; rows of forwards not run stay -1.
-            for t in range(min(R, len(routes) - 1)):
-                routed[t] = torch.stack([layer[b] for layer in routes[t + 1]], dim=0)
-        return Sample(
-            prompt_ids=list(r.req.prompt_ids), response_ids=r.tokens, logprobs=r.logprobs,
-            finish_reason=r.finish or "abort", matched_stop=r.matched, top_logprob_ids=top_ids,
-            top_logprob_values=top_values, routed_experts=routed, prompt_routed_experts=prompt_routed,
-            weight_version=spans[-1].version, logprob_mode=self.config.logprob_mode, rid=r.rid,
-            sample_index=r.index, sampling_logprobs=r.processed, abort_message=r.abort_message, weight_versions=spans,
-        )

@@ -5,9 +5,10 @@ started on the first arrival, the batch would hold one request and the rest woul
 batches, twice the decode steps). So the worker gathers first: once a job is waiting, it starts when no
 new job has come for ``gather_quiet_s``, or ``gather_max_s`` after the first (0 disables).
 
-Rows (one per sample) are pulled from the waiting jobs lazily and round-robin, ``max_batch_rows`` per
-engine call: a large request costs memory per batch, not per request, and cannot starve the requests
-behind it. There is no continuous batching: rows arriving while a batch runs wait for the next one.
+Rows (one per sample) are pulled from the waiting jobs lazily and round-robin into the engine's running batch
+(continuous batching, :meth:`EmbeddedEngine.generate_stream`): whenever rows finish, waiting rows take their
+places at the next decode step, up to ``max_batch_rows``, and a job is answered as soon as its last row is done.
+A large request costs memory per batch, not per request, and cannot starve the requests behind it.
 
 Seeded sampling does not depend on batch composition, so batching changes no token; log-probs may move
 by float rounding (~1e-6).
@@ -49,6 +50,7 @@ class GenerationQueue:
         self._paused = False
         self._stopped = False
         self._running = False
+        self._in_flight: dict = {}  # id(row) -> (job, slot) of the rows in the engine's batch
         self._thread = threading.Thread(target=self._work, name="generation-queue", daemon=True)
         self._thread.start()
 
@@ -118,10 +120,9 @@ class GenerationQueue:
 
     # ---- the worker -----------------------------------------------------------------------------------
 
-    def _take_batch(self) -> List[tuple]:
-        """Up to ``max_batch_rows`` (job, slot, row) taken round-robin from the waiting jobs; aborted rows are
-        answered at once. Called with the lock held."""
-        limit = self.engine.config.max_batch_rows
+    def _take_batch(self, limit: int) -> List[tuple]:
+        """Up to ``limit`` (job, slot, row) taken round-robin from the waiting jobs; aborted rows are answered at
+        once. Called with the lock held."""
         batch: List[tuple] = []
         active = [j for j in self._jobs if not j.exhausted]
         while active and len(batch) < limit:
@@ -159,30 +160,45 @@ class GenerationQueue:
                     return
                 if self._paused:
                     continue
-                try:
-                    batch = self._take_batch()
-                except BaseException as e:  # noqa: BLE001 - building rows failed: fail the waiting jobs
-                    for job in self._jobs:
-                        job.error, job.exhausted = e, True
-                    batch = []
-                self._finish_jobs()
-                if not batch:
-                    continue
                 self._running = True
             try:
-                samples = self.engine.generate_rows([row for _, _, row in batch])
+                self.engine.generate_stream(self._take, self._deliver)
                 error = None
-            except BaseException as e:  # noqa: BLE001 - reported to every job in the batch
-                samples, error = [], e
+            except BaseException as e:  # noqa: BLE001 - reported to every job: the next would meet it too
+                error = e
             with self._cv:
                 self._running = False
-                for i, (job, slot, _) in enumerate(batch):
+                for job, _ in self._in_flight.values():
                     job.running -= 1
-                    if error is None:
-                        job.samples[slot] = samples[i]
-                    else:
-                        job.error, job.exhausted = error, True
+                    job.error = job.error or error or RuntimeError("the engine returned without answering a row")
+                self._in_flight.clear()
+                for job in self._jobs if error is not None else ():
+                    job.error, job.exhausted = job.error or error, True
                 self._finish_jobs()
+
+    def _take(self, free: int) -> list:
+        """The engine's call between decode steps: up to ``free`` rows to join its batch."""
+        with self._cv:
+            if self._paused or self._stopped:
+                return []
+            try:
+                batch = self._take_batch(free)
+            except BaseException as e:  # noqa: BLE001 - building rows failed: fail the waiting jobs
+                for job in self._jobs:
+                    if not job.exhausted:
+                        job.error, job.exhausted = e, True
+                batch = []
+            for job, slot, row in batch:
+                self._in_flight[id(row)] = (job, slot)
+            self._finish_jobs()
+            return [row for _, _, row in batch]
+
+    def _deliver(self, row, sample: Sample) -> None:
+        with self._cv:
+            job, slot = self._in_flight.pop(id(row))
+            job.samples[slot] = sample
+            job.running -= 1
+            self._finish_jobs()
 
     def _gather(self) -> None:
         """Wait (holding ``_cv``'s lock between waits) until arrivals pause; see the module doc."""

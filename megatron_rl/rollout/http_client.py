@@ -114,7 +114,7 @@ class SGLangClient:
     def __init__(self, url: str, timeout_s: float = 600.0, retry: Optional[RetryPolicy] = None,
                  restart: Optional[Callable[[], None]] = None, is_alive: Optional[Callable[[], bool]] = None,
                  expert_layout: Optional[ExpertLayout] = None, logprob_mode: str = "raw",
-                 shared_files: Optional[bool] = None):
+                 shared_files: Optional[bool] = None, max_in_flight: int = 256):
         parsed = urllib.parse.urlparse(url if "://" in url else f"http://{url}")
         if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
             raise ValueError(f"url={url!r}: expected http://host:port")
@@ -129,12 +129,15 @@ class SGLangClient:
         self.shared_files = _is_local_address(self._host) if shared_files is None else shared_files
         self._lock = threading.Lock()
         self._children: Dict[str, List[str]] = {}  # in-flight request rid -> the rids of its n samples
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sglang-client")
+        # one-sample requests in flight to this server (a request's n samples are n requests): the server batches
+        # what is in flight, so this bounds its running batch from our side
+        self.max_in_flight = max_in_flight
+        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="sglang-client")
 
     def with_url(self, url: str) -> "SGLangClient":
         """A client with this one's settings for another server (a restarted engine's new address)."""
         return SGLangClient(url, self.timeout_s, self.retry, self.restart, self.is_alive, self.expert_layout,
-                            self.logprob_mode)
+                            self.logprob_mode, max_in_flight=self.max_in_flight)
 
     # ---- transport ---------------------------------------------------------------------------------
 

@@ -493,19 +493,23 @@ def test_balancer_spreads_requests(policy):
 
 
 def test_concurrent_requests_are_gathered_into_one_engine_call():
-    """A driver's concurrent requests share one batch (one engine call), not first-arrival + the rest."""
+    """A driver's concurrent requests start as one batch (one prefill), not first-arrival + the rest."""
     from megatron_rl.rollout.generation_queue import GenerationQueue
 
     engine = EmbeddedEngine(tiny_qwen3())
-    calls = []
-    generate_rows = engine.generate_rows
+    takes = []
+    generate_stream = engine.generate_stream
 
-    def record(rows):
-        calls.append(len(rows))
-        time.sleep(0.05)  # a running batch: arrivals after its start would have to wait for it
-        return generate_rows(rows)
+    def record(take, deliver):
+        def recorded(free):
+            rows = take(free)
+            if rows:
+                takes.append(len(rows))
+            time.sleep(0.05)  # a slow step: arrivals after the start would join later
+            return rows
+        return generate_stream(recorded, deliver)
 
-    engine.generate_rows = record
+    engine.generate_stream = record
     queue = GenerationQueue(engine, gather_quiet_s=0.3, gather_max_s=5.0)  # generous: loaded 2-core CI
     try:
         results = {}
@@ -519,10 +523,31 @@ def test_concurrent_requests_are_gathered_into_one_engine_call():
             time.sleep(0.005)
         for t in threads:
             t.join(30)
-        assert calls == [12]
+        assert takes == [12]
         assert all(len(results[i]) == 2 and results[i][0].prompt_ids == [i + 1] for i in range(6))
     finally:
         queue.stop()
+
+
+def test_the_client_keeps_a_whole_step_of_samples_in_flight(dense_server):
+    """16 requests x n=8 reach the server as 128 one-sample requests at once, so it can batch them all (the
+    client once kept 64 in flight: the step's last samples queued client-side behind the first ones)."""
+    engine, queue = dense_server.engine, dense_server.queue
+    remote = RemoteEngine([SGLangClient(dense_server.url, retry=FAST)])
+    reqs = [GenerateRequest((i + 1, 2), SamplingParams(n=8, max_new_tokens=2, seed=i)) for i in range(16)]
+    out = {}
+    with engine._exclusive():  # the engine cannot start: the requests pile up in the server's queue
+        thread = threading.Thread(target=lambda: out.setdefault("samples", remote.generate(reqs)))
+        thread.start()
+        waiting, deadline = 0, time.monotonic() + 30
+        while waiting < 128 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            with queue._cv:
+                waiting = sum(len(job.requests) for job in queue._jobs)
+    thread.join(60)
+    remote.shutdown()
+    assert waiting == 128
+    assert len(out["samples"]) == 128
 
 
 @pytest.fixture(scope="module")

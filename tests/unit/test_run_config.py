@@ -66,6 +66,7 @@ def test_tiny_recipe_resolves(assets, tmp_path):
      ["rollout.logprob_mode='processed'", "train.objective.dvp.enabled=False"]),
     (["warmup.dense_kl.beta=0"], ["warmup.dense_kl.beta=0.0", "set beta > 0"]),
     (["eval.data=null"], ["eval.interval=2 but eval.data is not set"]),
+    (["rollout.max_samples_in_flight=0"], ["rollout.max_samples_in_flight=0 must be >= 1"]),
     (["rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=16"], ["estimator='grpo'", "n_samples_per_prompt=1"]),
     (["train.routing_replay=true"], ["train.routing_replay=true but model.hf_path=", "is a dense 'qwen3' model",
                                      "set train.routing_replay to false", "prepare.model=qwen3_moe"]),
