@@ -16,6 +16,7 @@ eval reward every 10 steps.
 
   python tools/bench_async.py                 # ~10 min on 2 quiet cores
   python tools/bench_async.py --curves        # + the reward curves (~15 min)
+  python tools/bench_async.py --curves-only --curve-seeds 2   # two seeds of each mode: sync's own spread is the noise
 Prints markdown tables (with the machine's load average); writes JSON to --out
 (default bench_results/bench_async.json).
 """
@@ -110,15 +111,17 @@ def curves(args, assets) -> dict:
               f"steps={args.curve_steps}", f"warmup.steps={args.curve_steps // 4}",
               f"optim.schedule.total_steps={args.curve_steps}", "eval.interval=10", "checkpoint.interval=0"]
     out = {}
-    for name in ("sync", "async k=1"):
-        before = load()
-        start = time.perf_counter()
-        lines = run(args, Path(args.work) / f"curve_{name.replace(' ', '_')}", common + MODES[name])
-        out[name] = dict(eval={m["step"]: m["eval/reward_mean"] for m in lines if "eval/reward_mean" in m},
-                         reward={m["step"]: m["rollout/reward_mean"] for m in lines if "rollout/reward_mean" in m},
-                         wall_s=time.perf_counter() - start, load_before=before, load_after=load())
-        print(f"curve {name}: final eval {list(out[name]['eval'].values())[-1]:.3f} (load {before} -> {load()})",
-              flush=True)
+    for seed in range(args.curve_seeds):  # seeds take turns, so load drift hits both modes alike
+        for mode in ("sync", "async k=1"):
+            name = mode if args.curve_seeds == 1 else f"{mode} seed={seed}"
+            before = load()
+            start = time.perf_counter()
+            lines = run(args, Path(args.work) / f"curve_{name.replace(' ', '_')}", common + MODES[mode] + [f"seed={seed}"])
+            out[name] = dict(eval={m["step"]: m["eval/reward_mean"] for m in lines if "eval/reward_mean" in m},
+                             reward={m["step"]: m["rollout/reward_mean"] for m in lines if "rollout/reward_mean" in m},
+                             wall_s=time.perf_counter() - start, load_before=before, load_after=load())
+            print(f"curve {name}: final eval {list(out[name]['eval'].values())[-1]:.3f} (load {before} -> {load()})",
+                  flush=True)
     return out
 
 
@@ -132,6 +135,8 @@ def main() -> None:
     ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
     ap.add_argument("--curves-only", action="store_true")
     ap.add_argument("--curve-steps", type=int, default=200)
+    ap.add_argument("--curve-seeds", type=int, default=1,
+                    help="run seeds 0..N-1 of each mode: the spread between seeds of sync is the noise to compare with")
     ap.add_argument("--work", default="runs/bench_async")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default="bench_results/bench_async.json")
@@ -157,7 +162,7 @@ def main() -> None:
                   f"{r['load_before']} |")
     if args.curves or args.curves_only:
         report["curves"] = cv = curves(args, assets)
-        steps = sorted(set(cv["sync"]["eval"]) | set(cv["async k=1"]["eval"]))
+        steps = sorted(set().union(*(c["eval"] for c in cv.values())))
         print("\n### Reward curves on the tiny task (greedy eval reward)\n")
         print("| step | " + " | ".join(steps_ := [str(s) for s in steps]) + " |")
         print("|---|" + "---|" * len(steps_))
