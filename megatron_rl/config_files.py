@@ -8,7 +8,7 @@
 * the output directory and checkpoint root can be written;
 * resuming: the ``latest`` pointer names a checkpoint, ``resume_step`` exists, and the checkpoint was trained
   from a model of this shape, with this LR schedule;
-* ``rollout.urls`` of remote servers answer ``/health``.
+* ``rollout.urls`` of remote servers answer ``/health``, and honour ``sampling_seed`` when the run is seeded.
 """
 
 from __future__ import annotations
@@ -195,3 +195,22 @@ def _remote(cfg: RunConfig, out: List[str]) -> None:
             reason = getattr(e, "reason", e)
             out.append(f"rollout.urls[{i}]={url!r}: no SGLang server answers there ({reason}); start it, or fix "
                        "the URL (the port may belong to another program)")
+        else:
+            if cfg.rollout.deterministic_inference:
+                _remote_deterministic(i, url, out)
+
+
+def _remote_deterministic(i: int, url: str, out: List[str]) -> None:
+    """Without --enable-deterministic-inference SGLang silently ignores sampling_seed (the servers we launch get
+    the flag from us); SGLang's /server_info reports its server args, this flag among them."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/server_info", timeout=5) as r:
+            flag = json.loads(r.read()).get("enable_deterministic_inference")
+        why = f"its /server_info has enable_deterministic_inference={flag}"
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError, AttributeError) as e:
+        flag, why = None, f"its /server_info could not be read ({getattr(e, 'reason', e)})"
+    if flag is not True:
+        out.append(f"rollout.urls[{i}]={url!r} must honour sampling_seed (rollout.seeded / "
+                   f"rollout.deterministic_inference), but {why}; start the server with "
+                   "--enable-deterministic-inference, or set rollout.seeded=false and "
+                   "rollout.deterministic_inference=false")

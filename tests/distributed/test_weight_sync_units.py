@@ -85,6 +85,13 @@ def test_compare_names_the_worst_position_and_token():
         compare_logprobs(trainer, trainer[:-1], 1e-4, ids)
 
 
+def test_probe_ids_avoid_the_id_sglang_clips():
+    """SGLang reports prompt ids >= vocab_size - 1 as 0 in input_token_logprobs (defect 10): a probe never holds
+    id V - 1, and still draws every other id."""
+    assert set(probe_tokens(3, 2000, seed=0).tolist()) == {0, 1}
+    assert set(probe_tokens(50, 5000, seed=1).tolist()) == set(range(49))
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from megatron_rl.rollout.embedded import EmbeddedEngine
@@ -103,6 +110,28 @@ def test_embedded_prompt_logprobs_are_teacher_forced(engine):
     assert torch.allclose(got.double(), want, atol=1e-5)
     with pytest.raises(ValueError, match="vocab_size"):
         engine.prompt_logprobs([1, 10_000])
+
+
+def test_scoring_an_id_the_server_clips_fails_clearly(engine):
+    """SGLang answers id V - 1 as 0 in input_token_logprobs; the client names the position instead of returning
+    log-probs of other tokens (the embedded server clips as SGLang does)."""
+    from megatron_rl.rollout import wire
+    from megatron_rl.rollout.http_client import SGLangClient
+    from megatron_rl.rollout.server import EmbeddedServer
+
+    last = engine.model.config.vocab_size - 1
+    ids = [5, 17, last, 3]
+    entries = wire.input_logprob_entries(ids, torch.zeros(3), 0, last + 1)
+    assert [e[1] for e in entries] == [5, 17, 0, 3]
+    needle = rf"position 2 has id 0, the prompt has {last} \(SGLang reports ids >= vocab_size - 1 as 0\)"
+    with pytest.raises(ValueError, match=needle):
+        wire.parse_input_logprobs({"meta_info": {"input_token_logprobs": entries}}, ids)
+    server = EmbeddedServer(engine).start()
+    try:
+        with pytest.raises(ValueError, match=needle):
+            SGLangClient(server.url).prompt_logprobs(ids)
+    finally:
+        server.stop()
 
 
 def test_prompt_logprobs_over_http(engine):

@@ -86,14 +86,16 @@ def test_embedded_server_launch_failure_shows_log_tail(tmp_path):
 def test_sglang_config_renders_flags():
     cfg = SGLangServerConfig(model_path="/models/qwen3-moe", tp_size=2, mem_fraction_static=0.6,
                              enable_return_routed_experts=True, sampling_backend="pytorch", random_seed=1,
-                             extra_args=("--disable-radix-cache",))
+                             enable_deterministic_inference=True, extra_args=("--disable-radix-cache",))
     argv = cfg.argv(port=31000)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(argv)
     for flag in ("--model-path /models/qwen3-moe", "--tp-size 2", "--mem-fraction-static 0.6", "--port 31000",
                  "--host 127.0.0.1", "--enable-return-routed-experts", "--sampling-backend pytorch",
-                 "--skip-tokenizer-init", "--random-seed 1", "--disable-radix-cache"):
+                 "--skip-tokenizer-init", "--random-seed 1", "--disable-radix-cache",
+                 "--enable-deterministic-inference"):
         assert flag in joined, flag
+    assert "--enable-deterministic-inference" not in SGLangServerConfig(model_path="m").argv(port=1)
     with pytest.raises(ValueError, match="mem_fraction_static"):
         SGLangServerConfig(model_path="m", mem_fraction_static=1.5)
     with pytest.raises(ValueError, match="tp_size"):
@@ -127,7 +129,8 @@ def test_real_sglang_round_trip(tmp_path):
     model = os.environ.get("MEGATRON_RL_SGLANG_TEST_MODEL")
     if not model:
         pytest.skip("set MEGATRON_RL_SGLANG_TEST_MODEL to a local HF model directory")
-    cfg = SGLangServerConfig(model_path=model, mem_fraction_static=0.3, sampling_backend="pytorch",
+    # SGLang honours sampling_seed only with --enable-deterministic-inference, whatever the sampling backend
+    cfg = SGLangServerConfig(model_path=model, mem_fraction_static=0.3, enable_deterministic_inference=True,
                              log_path=str(tmp_path / "sglang.log"))
     with launch_sglang_server(cfg) as server:
         client = server.client()

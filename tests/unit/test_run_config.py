@@ -96,6 +96,35 @@ def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrid
         assert needle in str(e.value), (needle, str(e.value))
 
 
+def test_remote_servers_distributed_transport_and_seed_check(assets, tmp_path):
+    """engine=remote: weight_transport=auto is 'distributed' (SGLang takes no safetensors buckets), and a seeded
+    run refuses a server whose /server_info says it ignores sampling_seed (no --enable-deterministic-inference)."""
+    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.server import EmbeddedServer
+
+    from rollout_models import tiny_qwen3
+
+    honours, ignores = (EmbeddedServer(EmbeddedEngine(tiny_qwen3(), EmbeddedEngineConfig(seeds=s))).start()
+                        for s in ("deterministic", "ignored"))
+    try:
+        for placement in ("colocated", "disaggregated"):
+            cfg = _load(assets, tmp_path, "rollout.engine=remote", f"rollout.urls=[{honours.url}]",
+                        f"rollout.placement={placement}")
+            assert cfg.rollout.weight_transport == "auto" and cfg.rollout.transport == "distributed"
+        urls = f"rollout.urls=[{honours.url},{ignores.url}]"
+        with pytest.raises(ConfigError) as info:
+            _load(assets, tmp_path, "rollout.engine=remote", urls)
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith(f"rollout.urls[1]='{ignores.url}' must honour sampling_seed")
+        assert "its /server_info has enable_deterministic_inference=False; start the server with --enable-" \
+               "deterministic-inference, or set rollout.seeded=false" in msg
+        assert _load(assets, tmp_path, "rollout.engine=remote", urls, "rollout.seeded=false").rollout.urls[1] \
+            == ignores.url  # unseeded: nothing to check
+    finally:
+        honours.stop()
+        ignores.stop()
+
+
 def test_rollout_modes_and_the_deprecated_off_policy_alias(assets, tmp_path, caplog):
     disaggregated = "rollout.placement=disaggregated"
     with caplog.at_level("WARNING"):
