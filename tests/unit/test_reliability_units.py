@@ -113,6 +113,34 @@ def test_weight_group_store_listens_on_its_host_only():
     weight_group.destroy_weight_group(group)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the loopback interface is named lo on Linux")
+def test_a_local_runs_workers_bind_gloo_to_loopback(monkeypatch):
+    """Gloo listens on what the hostname resolves to (often the network address): a local run's workers get
+    GLOO_SOCKET_IFNAME=lo, a cluster run's do not, and a user's own choice stays (Ray's processes inherit it)."""
+    from megatron_rl.config import ClusterConfig
+    from megatron_rl.orchestration.placement import worker_env
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = worker_env(ClusterConfig())
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["OMP_NUM_THREADS"] == "1"
+    assert "GLOO_SOCKET_IFNAME" not in worker_env(ClusterConfig(address="auto"))
+    child = textwrap.dedent("""
+        import os, subprocess, torch.distributed as dist
+        from megatron_rl import parallel
+        store = parallel.rendezvous_store("127.0.0.1", 0, 1, is_master=True, timeout_s=30)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+        print(" ".join(line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line))
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sockets = proc.stdout.split()
+    assert len(sockets) >= 2 and all(a.startswith("127.0.0.1:") for a in sockets), sockets  # store + gloo
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert "GLOO_SOCKET_IFNAME" not in worker_env(ClusterConfig())
+
+
 def test_signals_graceful_then_immediate(caplog):
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals(graceful=True) as stop:
