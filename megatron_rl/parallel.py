@@ -77,6 +77,7 @@ def rendezvous_store(host: str, port: int, world_size: int, *, is_master: bool,
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a fixed port rebinds at once
         sock.bind(address)
         sock.listen(max(128, world_size))
     except OSError:

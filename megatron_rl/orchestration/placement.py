@@ -14,8 +14,9 @@ Both groups use the ``PACK`` strategy (a trainer group on as few nodes as possib
 pipeline parallel traffic stays local). A local Ray is started with ``address="local"`` — never
 attaching by accident to another cluster on the machine — with enough logical CPUs for every worker,
 with every server on the loopback interface (Ray's local-only mode: the node address is 127.0.0.1, so
-gcs, raylet, agents and every worker bind there; nothing listens on the network), and with a
-parent-death guard (:mod:`.ray_guard`) that removes its processes if the driver is killed.
+gcs, raylet, agents and every worker bind there; gloo's sockets too, :func:`worker_env`; nothing listens on
+the network), and with a parent-death guard (:mod:`.ray_guard`) that removes its processes if the driver is
+killed.
 """
 
 from __future__ import annotations
@@ -72,8 +73,7 @@ def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
 
     if ray.is_initialized():
         return None
-    env = {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = worker_env(cluster)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if cluster.address:
         with keep_handlers():
@@ -94,6 +94,20 @@ def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
         raise
     guard.watch(ray._private.worker._global_node.get_session_dir_path())  # every Ray process logs in there
     return LocalRay(guard)
+
+
+def worker_env(cluster: ClusterConfig) -> Dict[str, str]:
+    """The environment of the run's Ray workers (trainer ranks, engines and the servers they start). A local run
+    binds gloo to the loopback interface (``GLOO_SOCKET_IFNAME=lo``, unless the user chose one): gloo listens on
+    the address the hostname resolves to, often the machine's network address."""
+    import socket
+
+    env = {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    if not cluster.address and "GLOO_SOCKET_IFNAME" not in os.environ and hasattr(socket, "if_nameindex") \
+            and "lo" in (name for _, name in socket.if_nameindex()):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
 
 
 @contextlib.contextmanager

@@ -90,6 +90,7 @@ class RemoteEngine(RolloutEngine):
         self._group = None
         self._group_generation = 0
         self._group_args: Optional[dict] = None
+        self._store = None  # the weight group's store, hosted here on the master address only
         self.weight_version = "default"
 
     def _pick(self) -> Tuple[int, SGLangClient]:
@@ -216,8 +217,11 @@ class RemoteEngine(RolloutEngine):
         self._group_generation += 1
         # a fresh name each time: group names are process-wide on both sides, and a stale group may remain
         name = f"{group_name}_{self._group_generation}_{secrets.token_hex(4)}"
-        store = weight_group.host_store(master_address, world, timeout_s) if master_port == 0 else None
-        port = store.port if store is not None else master_port
+        store = self._store
+        if not (master_port and store is not None and (store.host, store.port) == (master_address, master_port)):
+            # a fixed port keeps its store: a broken group may still hold it, and the port is bound once
+            store = self._store = weight_group.host_store(master_address, world, timeout_s, port=master_port)
+        port = store.port
         futures = [self._pool.submit(c.init_weights_update_group, master_address, port, off, world, name, backend)
                    for c, off in zip(self.clients, offsets)]
         try:
@@ -229,7 +233,7 @@ class RemoteEngine(RolloutEngine):
                                + (f"; servers refused: {failed}" if failed else "")) from None
         for f in futures:
             f.result()
-        self._group, self._group_name, self._store = group, name, store
+        self._group, self._group_name = group, name
         self._group_args = dict(master_address=master_address, master_port=master_port, backend=backend,
                                 timeout_s=timeout_s, group_name=group_name)
         log.info("weight group %r: trainer rank 0 + %d engine ranks (TP sizes %s)", name, world - 1, sizes)

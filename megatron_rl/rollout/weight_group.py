@@ -28,11 +28,13 @@ import torch.distributed as dist
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one-buffer buckets
 
 
-def host_store(master_address: str, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
-    """Rank 0's store on a port the OS picks and the store holds (``.port``): no race with other
-    processes for a port probed as free and bound later."""
-    return dist.TCPStore(master_address, 0, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+def host_store(master_address: str, world_size: int, timeout_s: float = 300.0, port: int = 0) -> dist.TCPStore:
+    """Rank 0's store, listening on ``master_address`` only (a plain ``TCPStore`` listens on every interface:
+    a local run's would be reachable from the network). ``port=0``: a port the OS picks and the store holds
+    (``.port``), no race with other processes for a port probed as free and bound later."""
+    from megatron_rl.parallel import rendezvous_store
+
+    return rendezvous_store(master_address, int(port), world_size, is_master=True, timeout_s=timeout_s)
 
 
 def create_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -50,9 +52,11 @@ def create_weight_group(master_address: str, master_port: int, rank: int, world_
     if not group_name:
         raise ValueError("group_name must not be empty (SGLang refuses it)")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        # what torch's tcp:// rendezvous (SGLang's init_method) builds: the master hosts, the others connect
-        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout,
+    if store is None and rank == 0:
+        store = host_store(master_address, world_size, timeout_s, port=master_port)
+    elif store is None:
+        # what torch's tcp:// rendezvous (SGLang's init_method) builds on a joining rank: a client of rank 0's
+        store = dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout,
                               multi_tenant=True)
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),

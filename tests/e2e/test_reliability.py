@@ -7,9 +7,10 @@
   any optimizer step, warns about the steps that changed nothing (with their real step numbers, no loss), and
   resumes; updates that would make the weights non-finite are rolled back and reported the same way;
 * the fault chain: kill -9 of a trainer rank, SIGTERM with ``checkpoint.on_signal``, kill -9 of the driver
-  between committing a checkpoint and writing its metrics line, SIGTERM, a damaged newest checkpoint, kill -9
-  of the rollout engine — each resumed — ends with metrics equal to an uninterrupted run's (timings excluded);
-  the run's listening sockets are all on loopback; nothing of the run outlives its SIGKILL'd driver.
+  between committing a checkpoint and writing its metrics line, SIGTERM, a damaged newest checkpoint — each
+  resumed — and kill -9 of the rollout engine's server — recovered within the run — ends with metrics equal to
+  an uninterrupted run's (timings and recovery counters excluded); the run's listening sockets are all on
+  loopback; nothing of the run outlives its SIGKILL'd driver.
 """
 
 import importlib.util

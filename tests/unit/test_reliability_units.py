@@ -1,6 +1,6 @@
-"""Issue 16's parts that need no Ray: the parent-death guard, the loopback rendezvous store, signals, the
-no-update watch, the output directory of a failed start, the metrics line kept through a resume, checkpoint
-manifests and model-file checks, and the message naming a dead actor."""
+"""Issue 16's parts that need no Ray: the parent-death guard, the loopback rendezvous and weight-group stores,
+signals, the no-update watch, the output directory of a failed start, the metrics line kept through a resume,
+checkpoint manifests and model-file checks, and the message naming a dead actor."""
 
 from __future__ import annotations
 
@@ -77,6 +77,11 @@ def test_guard_released_normally_leaves_the_driver_alone(tmp_path):
     assert ray_guard.ENV not in os.environ and g.proc is None  # the guard swept (nothing) and exited
 
 
+def _listening(port: int):
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
+    return [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(f":{port}")]
+
+
 def test_rendezvous_store_listens_on_its_host_only():
     from megatron_rl import parallel
 
@@ -84,9 +89,56 @@ def test_rendezvous_store_listens_on_its_host_only():
     client = parallel.rendezvous_store("127.0.0.1", store.port, 2, is_master=False, timeout_s=30)
     client.set("k", "v")
     assert store.get("k") == b"v"
-    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
-    addresses = [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(f":{store.port}")]
-    assert addresses == [f"127.0.0.1:{store.port}"], addresses
+    assert _listening(store.port) == [f"127.0.0.1:{store.port}"]
+
+
+def test_weight_group_store_listens_on_its_host_only():
+    """The distributed transport's store (trainer rank 0 hosts, engine ranks join as TCPStore clients, as SGLang
+    does), on an OS-picked port (the balancer's) and on a fixed one."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.parallel import _free_port
+    from megatron_rl.rollout import weight_group
+
+    store = weight_group.host_store("127.0.0.1", 2, timeout_s=30)
+    joined = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=store.timeout, multi_tenant=True)
+    joined.set("k", "v")
+    assert store.get("k") == b"v"
+    assert _listening(store.port) == [f"127.0.0.1:{store.port}"]
+    port = _free_port()
+    group = weight_group.create_weight_group("127.0.0.1", port, 0, 1, "gloo", "loopback_only", 30)
+    weight_group.broadcast_bucket(group, [("w", torch.ones(3))])
+    assert _listening(port) == [f"127.0.0.1:{port}"]
+    weight_group.destroy_weight_group(group)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the loopback interface is named lo on Linux")
+def test_a_local_runs_workers_bind_gloo_to_loopback(monkeypatch):
+    """Gloo listens on what the hostname resolves to (often the network address): a local run's workers get
+    GLOO_SOCKET_IFNAME=lo, a cluster run's do not, and a user's own choice stays (Ray's processes inherit it)."""
+    from megatron_rl.config import ClusterConfig
+    from megatron_rl.orchestration.placement import worker_env
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    env = worker_env(ClusterConfig())
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["OMP_NUM_THREADS"] == "1"
+    assert "GLOO_SOCKET_IFNAME" not in worker_env(ClusterConfig(address="auto"))
+    child = textwrap.dedent("""
+        import os, subprocess, torch.distributed as dist
+        from megatron_rl import parallel
+        store = parallel.rendezvous_store("127.0.0.1", 0, 1, is_master=True, timeout_s=30)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+        print(" ".join(line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line))
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sockets = proc.stdout.split()
+    assert len(sockets) >= 2 and all(a.startswith("127.0.0.1:") for a in sockets), sockets  # store + gloo
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert "GLOO_SOCKET_IFNAME" not in worker_env(ClusterConfig())
 
 
 def test_signals_graceful_then_immediate(caplog):
