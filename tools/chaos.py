@@ -456,6 +456,7 @@ def fault_chain(work: str, a: Dict[str, str], steps: int = 6, log: Callable[[str
     ref_out, out = os.path.join(work, "reference"), os.path.join(work, "faulted")
     for d in (ref_out, out):
         shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(work, exist_ok=True)
 
     ref = Run(overrides(a, ref_out, *common, steps=steps), os.path.join(work, "reference.log"))
     ref.wait_for(r"step 1/")
