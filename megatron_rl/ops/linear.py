@@ -135,11 +135,11 @@ def _tiled_grads(h: torch.Tensor, weight: torch.Tensor, nv: int, tile: Tuple[int
 
     Tile by tile (rows ``r`` x vocabulary slice ``[c0, c1)``, ``tile`` from :func:`_tile_shape`): recompute
     the logits ``h[r] @ W[c0:c1]^T`` into one reused buffer, ``tile_grad(x, r, c0)`` overwrites them with
-    their gradient, then
-    ``dhidden[r] += G W[c0:c1]`` and ``dW[c0:c1] += G^T h[r]``. Near-square tiles keep the three matmuls
-    large (inner sizes H, slice width, rows) and read each weight slice and ``dW`` slice once per row block;
-    (blocks of all columns and few rows re-read the whole weight and ``dW`` at every block: on CPU the
-    fused head then took 1.5-1.7x the unfused time). ``dhidden`` of 16-bit inputs is summed in fp32."""
+    their gradient, then ``dhidden[r] += G W[c0:c1]`` and ``dW[c0:c1] += G^T h[r]``. Near-square tiles keep
+    the three matmuls large (inner sizes H, slice width, rows) and read each weight slice and ``dW`` slice
+    once per row block (blocks of all columns and ~110 rows re-read the whole weight three times and ``dW``
+    once per block: the fused head then took 1.5-1.7x the unfused time on CPU). ``dhidden`` of 16-bit
+    inputs is summed in fp32 over the slices."""
     rows, width = h.shape
     grad_h = (torch.empty_like(h) if nv and rows else torch.zeros_like(h)) if want_h else None
     grad_w = _WeightGrad(weight, want_w)
@@ -246,8 +246,8 @@ class _VocabParallelLinearStats(torch.autograd.Function):
 class _VocabParallelLinearKL(torch.autograd.Function):
     """:class:`megatron_rl.ops.kl._VocabParallelKL` over ``hidden @ weight.T`` and
     ``ref_hidden @ ref_weight.T``, block by block (two matmuls per block forward; per backward tile two
-    recomputes plus the two gradient matmuls); differentiable w.r.t. ``hidden`` and ``weight`` (the reference is
-    detached). Collectives and saved per-row record as the unfused op."""
+    recomputes plus the two gradient matmuls); differentiable w.r.t. ``hidden`` and ``weight`` (the
+    reference is detached). Collectives and saved per-row record as the unfused op."""
 
     @staticmethod
     def forward(ctx, hidden, weight, ref_hidden, ref_weight, shard: sh.Shard, direction: str, temperature: float,
