@@ -4,13 +4,15 @@ the ``[T, V_local]`` logits.
 ``vocab_parallel_linear_stats(hidden, weight, targets)`` equals
 ``vocab_parallel_stats(hidden @ weight.T, targets)`` (same outputs, semantics and collectives), and
 ``vocab_parallel_linear_kl(hidden, weight, ref_hidden, ref_weight)`` equals
-``vocab_parallel_kl(hidden @ weight.T, ref_hidden @ ref_weight.T)``. Rows are processed in blocks:
+``vocab_parallel_kl(hidden @ weight.T, ref_hidden @ ref_weight.T)``. Forward processes rows in blocks:
 each block's logits ``[block, n_valid]`` are computed by one matmul, reduced by the row passes of
 :mod:`megatron_rl.ops.stats` / :mod:`megatron_rl.ops.kl` (chunked, two collectives per chunk), and
-dropped; backward recomputes each block, turns it into the logit gradient in place and feeds two
-matmuls (``dhidden = G W``, ``dW += G^T hidden``). Peak extra memory: one block (plus the row passes'
-small chunk buffers, and an fp32 ``[V_local, H]`` accumulator for 16-bit weights) instead of the logits
-and their gradient; the cost is one extra ``hidden @ W^T`` in backward.
+dropped. Backward needs only per-row scalars from forward, so it works on near-square tiles (rows x a
+vocabulary slice, at most one block's elements): it recomputes each tile, turns it into the logit
+gradient in place and feeds two matmuls (``dhidden[rows] += G W[slice]``, ``dW[slice] += G^T hidden[rows]``).
+Peak extra memory: one block (plus the row passes' small chunk buffers, and fp32 accumulators for 16-bit
+inputs: ``[V_local, H]`` for ``dW``, ``[tile rows, H]`` for ``dhidden``) instead of the logits and their
+gradient; the cost is one extra ``hidden @ W^T`` in backward.
 
 On CUDA (fp32 statistics) the row passes of ``vocab_parallel_linear_stats`` run as Triton kernels
 (:mod:`megatron_rl.ops.triton_head`); elsewhere, and for the KL, the torch row passes.
@@ -20,7 +22,8 @@ only, and padding rows of ``weight`` get exactly zero gradient.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import math
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -30,11 +33,16 @@ from megatron_rl.ops import kl as klm
 from megatron_rl.ops import stats as stm
 from megatron_rl.ops import triton_head
 
-# Logits elements per block (the only [rows, V]-sized allocation): 64 MiB fp32 on CPU (the row
-# passes chunk it further to stay in cache); on GPU 256M elements keep each matmul large.
-_BLOCK_ELEMENTS_CPU = 1 << 24
+# Logits elements per block (the only [rows, V]-sized allocation; backward tiles are no larger): 128 MiB
+# fp32 on CPU (the row passes chunk it further to stay in cache; at V=152k, 220-row blocks cost ~10 %
+# less forward time than 110-row ones, whose matmuls re-pack the whole weight every ~110 rows); on GPU
+# 256M elements keep each matmul large.
+_BLOCK_ELEMENTS_CPU = 1 << 25
 _BLOCK_ELEMENTS_CUDA = 1 << 28
 _BACKENDS = ("auto", "torch", "triton")
+# Backward tile rows are this many elements apart: rows not on a 256-byte boundary made each tile's
+# matmuls ~1.5x slower on CPU (MKL, measured).
+_ALIGN = 64
 
 
 def _block_rows(v_local: int, device: torch.device, chunk_size: Optional[int]) -> Tuple[int, int]:
@@ -61,27 +69,100 @@ class _Blocks:
 
 
 class _WeightGrad:
-    """``dW`` accumulated block by block into its real rows (padding rows stay exactly zero); in fp32
-    for 16-bit weights, so that many blocks lose nothing."""
+    """``dW`` accumulated tile by tile into its real rows (padding rows stay exactly zero); in fp32 for
+    16-bit weights, so that many tiles lose nothing."""
 
-    def __init__(self, weight: torch.Tensor, nv: int, wanted: bool) -> None:
-        self.weight, self.nv = weight, nv
+    def __init__(self, weight: torch.Tensor, wanted: bool) -> None:
+        self.weight = weight
         self.grad = None
         if wanted:
-            acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
-            self.grad = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+            self.grad = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device)
 
-    def add(self, g_blk: torch.Tensor, h_blk: torch.Tensor) -> None:
-        if self.grad is None:
-            return
-        rows = self.grad[: self.nv]  # a contiguous prefix: accumulated in place
-        if self.grad.dtype == g_blk.dtype:
-            rows.addmm_(g_blk.t(), h_blk)
-        else:
-            rows.add_(torch.mm(g_blk.t(), h_blk))
+    def add(self, g_tile: torch.Tensor, h_rows: torch.Tensor, c0: int, c1: int) -> None:
+        if self.grad is not None:
+            _accumulate(self.grad[c0:c1], g_tile.t(), h_rows, first=False)
 
     def result(self) -> Optional[torch.Tensor]:
         return None if self.grad is None else self.grad.to(self.weight.dtype)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _accumulate(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``dst = a @ b`` (``first``) or ``dst += a @ b``; through a temporary when ``dst`` is an fp32
+    accumulator of 16-bit products."""
+    if dst.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=dst)
+        else:
+            dst.addmm_(a, b)
+        return
+    prod = torch.mm(a, b)
+    if first:
+        dst.copy_(prod)
+    else:
+        dst.add_(prod)
+
+
+def _even(n: int, most: int) -> int:
+    """Piece size that splits ``n`` into ``ceil(n / most)`` near-equal pieces (none above ``most``)."""
+    pieces = -(-n // max(1, most))
+    return -(-n // max(1, pieces))
+
+
+def _tile_shape(rows: int, nv: int, budget: int) -> Tuple[int, int]:
+    """(rows, columns) of the backward's tiles: near-square, at most ``budget`` elements, the columns a
+    multiple of ``_ALIGN`` where the budget allows (the tile buffer's row stride)."""
+    r = _even(rows, max(1, math.isqrt(budget)))
+    most = max(1, budget // r)
+    if most < _ALIGN:
+        return r, _even(nv, most)
+    most -= most % _ALIGN
+    c = _even(nv, most)
+    return r, c + (-c % _ALIGN)
+
+
+def _tile_buffers(tile: Tuple[int, int], sub_elements: int, dtype: torch.dtype, device, n: int = 3):
+    """Row-pass buffers as wide as a tile, holding about ``sub_elements`` each (as in forward)."""
+    return stm.RowBuffers(max(1, min(tile[0], sub_elements // tile[1])), tile[1], dtype, device, n)
+
+
+def _tiled_grads(h: torch.Tensor, weight: torch.Tensor, nv: int, tile: Tuple[int, int], want_h: bool, want_w: bool,
+                 tile_grad: Callable) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(dhidden, dW)`` for the logit gradient ``G`` of ``h @ W_valid^T``, never holding more than one tile of it.
+
+    Tile by tile (rows ``r`` x vocabulary slice ``[c0, c1)``, ``tile`` from :func:`_tile_shape`): recompute
+    the logits ``h[r] @ W[c0:c1]^T`` into one reused buffer, ``tile_grad(x, r, c0)`` overwrites them with
+    their gradient, then ``dhidden[r] += G W[c0:c1]`` and ``dW[c0:c1] += G^T h[r]``. Near-square tiles keep
+    the three matmuls large (inner sizes H, slice width, rows) and read each weight slice and ``dW`` slice
+    once per row block (blocks of all columns and ~110 rows re-read the whole weight three times and ``dW``
+    once per block: the fused head then took 1.5-1.7x the unfused time on CPU). ``dhidden`` of 16-bit
+    inputs is summed in fp32 over the slices."""
+    rows, width = h.shape
+    grad_h = (torch.empty_like(h) if nv and rows else torch.zeros_like(h)) if want_h else None
+    grad_w = _WeightGrad(weight, want_w)
+    if not (nv and rows):
+        return grad_h, grad_w.result()
+    r_max, c_max = tile
+    buf = torch.empty(r_max, c_max, dtype=h.dtype, device=h.device)  # a narrower last slice keeps its stride
+    acc_dtype = _acc_dtype(h.dtype)
+    acc = torch.empty(r_max, width, dtype=acc_dtype, device=h.device) if want_h and acc_dtype != h.dtype else None
+    w = weight[:nv]
+    for r0, r1 in sh.row_chunks(rows, r_max):
+        r, h_rows = slice(r0, r1), h[r0:r1]
+        dh = None if not want_h else grad_h[r] if acc is None else acc[: r1 - r0]
+        for c0, c1 in sh.row_chunks(nv, c_max):
+            w_cols = w[c0:c1]
+            x = torch.mm(h_rows, w_cols.t(), out=buf[: r1 - r0, : c1 - c0])
+            tile_grad(x, r, c0)
+            if dh is not None:
+                _accumulate(dh, x, w_cols, first=c0 == 0)
+            grad_w.add(x, h_rows, c0, c1)
+        if acc is not None:
+            grad_h[r].copy_(dh)
+    return grad_h, grad_w.result()
 
 
 def _use_triton(backend: str, x: torch.Tensor) -> bool:
@@ -96,8 +177,10 @@ class _VocabParallelLinearStats(torch.autograd.Function):
     Forward: per block of rows one matmul into a reused ``[block, n_valid]`` buffer, then the row passes
     (one all-reduce MAX + one all-reduce SUM per chunk, as the unfused op). Saved: references to
     ``hidden`` and ``weight`` (no copies), the targets and the per-row record (``M``, ``S``, ``H``, with
-    min-p ``S_K'``, ``e_y``, y in K). Backward, without communication: recompute each block, write its logit
-    gradient over it, then ``dhidden[block] = G @ W_valid`` and ``dW_valid += G^T @ hidden[block]``.
+    min-p ``S_K'``, ``e_y``, y in K). Backward, without communication (:func:`_tiled_grads`): recompute each
+    tile (rows x vocabulary slice, at most one block's elements), write its logit gradient over it (the
+    target's term only in the slice holding it), then ``dhidden[rows] += G @ W[slice]`` and
+    ``dW[slice] += G^T @ hidden[rows]``.
     """
 
     @staticmethod
@@ -134,36 +217,37 @@ class _VocabParallelLinearStats(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_lp is None and g_h is None and g_pl is None) or not (want_h or want_w):
             return (None, None) + nones
-        shard = ctx.shard
-        nv = shard.n_valid
+        nv = ctx.shard.n_valid
         h = hidden.reshape(-1, hidden.shape[-1])
-        grad_h = (torch.empty_like(h) if nv else torch.zeros_like(h)) if want_h else None
-        grad_w = _WeightGrad(weight, nv, want_w)
-        if nv:
-            cd = saved[0].dtype
-            coef = stm.grad_coefficients(saved, owned, g_lp, g_h, g_pl, cd)
-            w = weight[:nv]
-            blocks = _Blocks(h, w, ctx.block)
-            bufs = None if ctx.use_triton else stm.RowBuffers(min(ctx.sub, blocks.block), nv, cd, hidden.device)
-            y_col = torch.where(owned, y_loc, -1)
-            for s, t, x in blocks:
-                c = tuple(None if v is None else v[s:t] for v in coef)
-                if ctx.use_triton:
-                    triton_head.grad_rows(x, x, y_col[s:t], saved[0][s:t], c, ctx.temperature, ctx.thr)
-                else:
-                    stm.grad_rows(x, x, y_loc[s:t], saved[0][s:t], c, ctx.temperature, ctx.thr, ctx.has_neginf,
-                                  bufs)
-                if want_h:
-                    torch.mm(x, w, out=grad_h[s:t])
-                grad_w.add(x, h[s:t])
-        return (None if grad_h is None else grad_h.view_as(hidden), grad_w.result()) + nones
+        coef = stm.grad_coefficients(saved, owned, g_lp, g_h, g_pl, saved[0].dtype) if nv else None
+        temperature, thr = ctx.temperature, ctx.thr
+        tile = _tile_shape(h.shape[0], nv, ctx.block * nv)
+        bufs = None
+        if nv and not ctx.use_triton:
+            bufs = _tile_buffers(tile, min(ctx.sub, ctx.block) * nv, saved[0].dtype, hidden.device)
+
+        def tile_grad(x, r, c0):
+            # The target's column lies in at most one slice: elsewhere its term (delta) is dropped.
+            alpha, beta, gamma, delta = (None if v is None else v[r] for v in coef)
+            inside = owned[r] & (y_loc[r] >= c0) & (y_loc[r] < c0 + x.shape[1])
+            delta = torch.where(inside, delta, torch.zeros_like(delta))
+            y = y_loc[r] - c0
+            if ctx.use_triton:
+                triton_head.grad_rows(x, x, torch.where(inside, y, -1), saved[0][r], (alpha, beta, gamma, delta),
+                                      temperature, thr)
+            else:
+                stm.grad_rows(x, x, y.clamp(0, x.shape[1] - 1), saved[0][r], (alpha, beta, gamma, delta),
+                              temperature, thr, ctx.has_neginf, bufs.narrow(x.shape[1]))
+
+        grad_h, grad_w = _tiled_grads(h, weight, nv, tile, want_h, want_w, tile_grad)
+        return (None if grad_h is None else grad_h.view_as(hidden), grad_w) + nones
 
 
 class _VocabParallelLinearKL(torch.autograd.Function):
     """:class:`megatron_rl.ops.kl._VocabParallelKL` over ``hidden @ weight.T`` and
-    ``ref_hidden @ ref_weight.T``, block by block (two matmuls per block forward, three plus the two
-    gradient matmuls backward); differentiable w.r.t. ``hidden`` and ``weight`` (the reference is
-    detached). Collectives and saved per-row record as the unfused op."""
+    ``ref_hidden @ ref_weight.T``, block by block (two matmuls per block forward; per backward tile two
+    recomputes plus the two gradient matmuls); differentiable w.r.t. ``hidden`` and ``weight`` (the
+    reference is detached). Collectives and saved per-row record as the unfused op."""
 
     @staticmethod
     def forward(ctx, hidden, weight, ref_hidden, ref_weight, shard: sh.Shard, direction: str, temperature: float,
@@ -202,21 +286,21 @@ class _VocabParallelLinearKL(torch.autograd.Function):
         nv = ctx.shard.n_valid
         h = hidden.reshape(-1, hidden.shape[-1])
         hr = ref_hidden.reshape(-1, ref_hidden.shape[-1])
-        grad_h = (torch.empty_like(h) if nv else torch.zeros_like(h)) if want_h else None
-        grad_w = _WeightGrad(weight, nv, want_w)
+        g = g_kl.reshape(-1).to(rec.dtype)
+        tile = _tile_shape(h.shape[0], nv, ctx.block * nv)
+        ref_buf, bufs = None, None
         if nv:
-            w = weight[:nv]
-            g = g_kl.reshape(-1).to(rec.dtype)
-            blocks = _Blocks(h, w, ctx.block)
-            ref_blocks = _Blocks(hr, ref_weight[:nv], ctx.block)
-            bufs = stm.RowBuffers(min(ctx.sub, blocks.block), nv, rec.dtype, hidden.device, n=5)
-            for (s, t, x), (_, _, xr) in zip(blocks, ref_blocks):
-                klm.kl_grad_rows(x, xr, x, rec[:, s:t], kl[s:t], g[s:t], ctx.reverse, ctx.temperature,
-                                 ctx.has_nonfinite, bufs)
-                if want_h:
-                    torch.mm(x, w, out=grad_h[s:t])
-                grad_w.add(x, h[s:t])
-        return (None if grad_h is None else grad_h.view_as(hidden), grad_w.result()) + nones
+            ref_buf = torch.empty(tile, dtype=hr.dtype, device=hr.device)
+            bufs = _tile_buffers(tile, min(ctx.sub, ctx.block) * nv, rec.dtype, hidden.device, n=5)
+
+        def tile_grad(x, r, c0):
+            c1 = c0 + x.shape[1]
+            xr = torch.mm(hr[r], ref_weight[c0:c1].t(), out=ref_buf[: x.shape[0], : x.shape[1]])
+            klm.kl_grad_rows(x, xr, x, rec[:, r], kl[r], g[r], ctx.reverse, ctx.temperature, ctx.has_nonfinite,
+                             bufs.narrow(x.shape[1]))
+
+        grad_h, grad_w = _tiled_grads(h, weight, nv, tile, want_h, want_w, tile_grad)
+        return (None if grad_h is None else grad_h.view_as(hidden), grad_w) + nones
 
 
 def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, names=("hidden", "weight")) -> None:
@@ -258,7 +342,8 @@ def vocab_parallel_linear_stats(
         weight: ``[V_local, H]`` this rank's output-layer shard (rows = its columns of the padded
             vocabulary), same dtype and device as ``hidden``.
         targets, tp_group, vocab_size, temperature, min_p: as :func:`megatron_rl.ops.vocab_parallel_stats`.
-        chunk_size: rows per logits block (default ~16M elements on CPU, ~256M on GPU).
+        chunk_size: rows per logits block (default ~32M elements on CPU, ~256M on GPU); backward tiles
+            hold at most as many elements.
         backend: ``"auto"`` (Triton row kernels on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
     Returns :class:`~megatron_rl.ops.VocabStats`; ``logprobs``, ``entropy``, ``pruned_logprobs`` are
     differentiable w.r.t. ``hidden`` and ``weight``.

@@ -68,6 +68,12 @@ class RowBuffers:
         self.chunk = chunk
         self.bufs = [torch.empty(chunk, nv, dtype=dtype, device=device) for _ in range(n)]
 
+    def narrow(self, width: int) -> "RowBuffers":
+        """The same buffers restricted to their first ``width`` columns (for a narrower block)."""
+        out = RowBuffers.__new__(RowBuffers)
+        out.chunk, out.bufs = self.chunk, [b[:, :width] for b in self.bufs]
+        return out
+
 
 def forward_rows(x: torch.Tensor, y_loc: torch.Tensor, owned: torch.Tensor, shard: sh.Shard, temperature: float,
                  thr: Optional[float], bufs: RowBuffers, out: torch.Tensor) -> bool:
