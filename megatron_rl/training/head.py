@@ -104,7 +104,7 @@ class Head:
         return self.x if self.x.dtype == self.weight.dtype else self.x.to(self.weight.dtype)
 
     def rows(self, index: Tensor) -> "Head":
-        """The rows ``x[b, s, *]`` at flat positions ``index [n, r]`` into ``b * s`` (``MicroBatch.logit_index``)."""
+        """The rows ``x[b, s, *]`` at flat positions ``index`` (any shape) into ``b * s`` (``MicroBatch.logit_index``)."""
         return Head(self.x.reshape(-1, self.x.shape[-1])[index], self.weight)
 
     def stats(self, targets: Tensor, **kw) -> VocabStats:

@@ -76,14 +76,22 @@ def token_stats(logits: Tensor, mb: MicroBatch, cfg: TrainConfig, *, tp_group, v
     head = Head(logits, weight)
     ref = None if ref_logits is None else Head(ref_logits, ref_weight)
     index = mb.logit_index
-    if head.fused:  # hidden rows are cheap to gather: compute the statistics at response positions only
+    if head.fused:
+        # Hidden rows are cheap to gather: compute the statistics at the loss's tokens only, not at every [n, r]
+        # slot (a token-budget micro-batch of long-tailed responses is mostly padding slots). Every reader of
+        # the statistics masks with ``response_mask``; the other slots hold zeros.
+        keep = mb.response_mask if bool(mb.response_mask.any()) else torch.ones_like(mb.response_mask)
+        index = index[keep]
         head, targets = head.rows(index), targets.reshape(-1)[index]
         ref = None if ref is None else ref.rows(index)
-        index = None
-    st = head.stats(targets, min_p=cfg.dvp_min_p, **common)
 
-    def at_response(t: Optional[Tensor]) -> Optional[Tensor]:  # [b, s] -> [n, r]: padded or packed alike
-        return t if t is None or index is None else t.reshape(-1)[index]
+        def at_response(t: Optional[Tensor]) -> Optional[Tensor]:  # [m] -> [n, r]
+            return None if t is None else t.new_zeros(keep.shape).masked_scatter(keep, t)
+    else:
+        def at_response(t: Optional[Tensor]) -> Optional[Tensor]:  # [b, s] -> [n, r]: padded or packed alike
+            return None if t is None else t.reshape(-1)[index]
+
+    st = head.stats(targets, min_p=cfg.dvp_min_p, **common)
 
     out = TokenStats(at_response(st.logprobs), at_response(st.entropy), at_response(st.sum_pi_squared))
     dvp = cfg.objective.dvp
