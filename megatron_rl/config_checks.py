@@ -103,7 +103,7 @@ def _batch(cfg: RunConfig, out: List[str]) -> None:
 
 def _token_budget(cfg: RunConfig, out: List[str]) -> None:
     """The longest sequence a run can produce must fit a micro-batch's token budget (per CP rank, after the
-    padding CP and sequence parallelism need); the weight-sync probe does not run under CP."""
+    padding CP and sequence parallelism need)."""
     from megatron_rl.training.micro_batch import packed_lengths, stream_multiple
 
     p, t = cfg.parallel, cfg.train
@@ -118,9 +118,6 @@ def _token_budget(cfg: RunConfig, out: List[str]) -> None:
                        f"tokens ({stream} once padded for parallel.cp={p.cp} / tp), more than train.{name}={cap} x "
                        f"parallel.cp={p.cp} = {cap * p.cp}; raise train.{name} to >= {-(-stream // p.cp)} or "
                        "parallel.cp (the budget is per CP rank)")
-    if p.cp > 1 and cfg.rollout.weight_sync.check:
-        out.append(f"parallel.cp={p.cp}: the post-sync probe (rollout.weight_sync.check=true) scores one sequence "
-                   "without splitting it over CP ranks; set rollout.weight_sync.check=false with parallel.cp > 1")
 
 
 PROCESSED_MAX_SUPPORT = 4096  # SGLang 0.5.23's default --sampling-mask-max-tokens

@@ -33,13 +33,15 @@ class Axis:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where this rank's shard sits: TP, PP, EP and expert-TP axes and every stage's layer range."""
+    """Where this rank's shard sits: TP, PP, EP and expert-TP axes and every stage's layer range (and the
+    context-parallel axis, which holds no weights but splits every sequence)."""
 
     tp: Axis
     pp: Axis
     ep: Axis
     etp: Axis
     stage_layers: Tuple[Tuple[int, int], ...]  # per PP stage: (first global layer, number of layers)
+    cp: Axis = Axis(1, 0, None)
 
     def stage_of_layer(self, layer: int) -> int:
         for stage, (first, count) in enumerate(self.stage_layers):
@@ -106,6 +108,7 @@ def _shard_layout(tconfig, groups: ParallelGroups) -> ShardLayout:
             ps.get_expert_tensor_parallel_group(),
         ),
         stage_layers=stages,
+        cp=Axis(lay.cp, groups.cp_rank, groups.cp),
     )
 
 

@@ -252,10 +252,11 @@ def probe_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
 def probe_length(config: WeightSyncConfig, built) -> int:
     """The probe length actually used: ``config.probe_length`` capped at the context length - 1 (the
     engine needs room for its one sampled token) and rounded down to a multiple of TP (sequence
-    parallelism splits the sequence over TP ranks)."""
-    tp = built.shard.tp.size
+    parallelism splits the sequence over TP ranks; context parallelism into ``2·cp`` chunks, each rank's
+    pair then over TP)."""
+    tp, cp = built.shard.tp.size, built.shard.cp.size
     n = min(config.probe_length, built.arch.max_position_embeddings - 1)
-    n -= n % tp
+    n -= n % (tp * (2 * cp if cp > 1 else 1))
     if n < 2:
         raise ValueError(f"weight_sync.probe_length={config.probe_length} leaves a probe of {n} tokens for "
                          f"max_position_embeddings={built.arch.max_position_embeddings} and TP={tp}")
@@ -267,25 +268,35 @@ def trainer_probe_logprobs(built, ids: torch.Tensor, routes: Optional[torch.Tens
     model, returned on every rank. Collective: all ranks run the forward (MoE token dispatch crosses DP
     ranks); the last PP stage computes the log-probs from its ``[1, L, V_pad/TP]`` logits with
     ``vocab_parallel_stats`` (padding columns excluded via ``vocab_size``) and broadcasts them over PP.
-    ``routes`` (``[L, MoE layers, topk]``, an engine's routing of ``ids``): replayed in the routers."""
+    ``routes`` (``[L, MoE layers, topk]``, an engine's routing of ``ids``): replayed in the routers. Under
+    context parallelism each CP rank feeds its zigzag chunks (as the trainer does) and the last stage
+    all-gathers the log-probs over CP."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_rl.objectives.reduce import zigzag_split
     from megatron_rl.ops import vocab_parallel_stats
 
-    if getattr(built.tconfig, "context_parallel_size", 1) > 1:
-        raise NotImplementedError("the weight-sync probe does not split the sequence for context parallelism; "
-                                  "set WeightSyncConfig.check=False with CP > 1")
     device = next(built.module.parameters()).device
-    tokens = ids.view(1, -1).to(device)
-    n = tokens.shape[1]
-    positions = torch.arange(n, device=device).unsqueeze(0)
-    tp = built.shard.tp
+    n = ids.numel()
+    tp, cp = built.shard.tp, built.shard.cp
+    cols = torch.arange(n) if cp.size == 1 else zigzag_split(torch.arange(n), cp.size, cp.rank)
+    ids = ids.reshape(-1)
+    tokens, positions = ids[cols].view(1, -1).to(device), cols.view(1, -1).to(device)
+    targets = ids[(cols + 1).clamp(max=n - 1)].view(1, -1).to(device)  # the last position's is dropped below
+    if routes is not None:
+        routes = routes[cols]
     out: Dict[str, torch.Tensor] = {}
 
-    def loss_fn(logits):  # [1, L, V_pad/TP] on the last stage
-        stats = vocab_parallel_stats(logits[:, :-1], tokens[:, 1:], tp_group=tp.group if tp.size > 1 else None,
+    def loss_fn(logits):  # [1, L / CP, V_pad/TP] on the last stage
+        stats = vocab_parallel_stats(logits, targets, tp_group=tp.group if tp.size > 1 else None,
                                      vocab_size=built.vocab_size)
-        out["logprobs"] = stats.logprobs.reshape(-1).float()
+        local = stats.logprobs.reshape(-1).float()
+        if cp.size > 1:
+            parts = [torch.empty_like(local) for _ in range(cp.size)]
+            dist.all_gather(parts, local.contiguous(), group=cp.group)
+            every = torch.cat([zigzag_split(torch.arange(n), cp.size, r) for r in range(cp.size)]).to(device)
+            local = torch.empty(n, dtype=local.dtype, device=device).index_copy_(0, every, torch.cat(parts))
+        out["logprobs"] = local[: n - 1]
         return logits.sum() * 0.0, {}
 
     def step(_data_iterator, model):

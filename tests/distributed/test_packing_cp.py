@@ -222,3 +222,44 @@ def test_context_parallel_with_tensor_and_pipeline_parallel(tmp_path):
             assert _rel(run["grad_norms"][0], ref["grad_norm"]) <= RTOL_CP, (name, run["grad_norms"][0],
                                                                               ref["grad_norm"])
         assert out["dense/cp2pp2"]["metrics"]["batch/micro_batches"] >= 2
+
+
+def _probe_child(dense, moe):
+    """The post-sync probe at CP=1 and CP=2 (each CP rank its zigzag chunks), and the whole check against an
+    fp32 engine on rank 0 (MoE: the engine's routing of the probe replayed in the CP forward)."""
+    import torch.distributed as dist
+
+    from megatron_rl import parallel
+    from megatron_rl.models.build import build_model
+    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.weight_sync import (WeightSync, WeightSyncConfig, probe_length, probe_tokens,
+                                                 trainer_probe_logprobs)
+
+    out = {}
+    for kind, path in (("dense", dense), ("moe", moe)):
+        engine = EmbeddedEngine.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+        for layout in (dict(), dict(cp=2)):
+            groups = parallel.init_megatron_parallel(parallel.ParallelLayout(**layout))
+            built = build_model(ModelConfig(hf_path=path, routing_replay=kind == "moe"), groups)
+            cfg = WeightSyncConfig(check_tolerance=1e-4, replay_routing=kind == "moe", progress=False,
+                                   probe_length=63)
+            name = f"{kind}/cp{layout.get('cp', 1)}"
+            out[name] = {"logprobs": trainer_probe_logprobs(built, probe_tokens(built.vocab_size, 60, 0)),
+                         "length": probe_length(cfg, built),
+                         "check": WeightSync(built, engine, cfg).check().max_abs_diff}
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_weight_sync_probe_under_context_parallelism(tmp_path):
+    dense = tiny_hf_checkpoint(str(tmp_path / "d"), "qwen3")
+    moe = tiny_hf_checkpoint(str(tmp_path / "m"), "qwen3_moe")
+    for out in run_distributed(_probe_child, 2, dense, moe, timeout_s=280):
+        for kind in ("dense", "moe"):
+            one, two = out[f"{kind}/cp1"], out[f"{kind}/cp2"]
+            assert (one["length"], two["length"]) == (63, 60)  # CP=2 rounds the probe down to 2·cp chunks
+            lp1, lp2 = one["logprobs"], two["logprobs"]
+            assert lp1.shape == lp2.shape == (59,) and torch.isfinite(lp2).all()
+            assert (lp2 - lp1).abs().max() <= 1e-5 * lp1.abs().max(), kind  # the same sequence, split or not
+            assert one["check"] <= 1e-4 and two["check"] <= 1e-4, (kind, one["check"], two["check"])

@@ -40,11 +40,10 @@ def test_tiny_recipe_resolves(assets, tmp_path):
     (["parallel.world_size=3"], ["parallel.world_size=3 is not divisible by parallel.tp * parallel.pp * parallel.cp "
                                  "= 2 * 1 * 1 = 2"]),
     (["parallel.cp=2"], ["parallel.tp * parallel.pp * parallel.cp = 2 * 1 * 2 = 4", "change tp/pp/cp"]),
-    (["parallel.cp=2", "parallel.tp=1"], ["parallel.cp=2: the post-sync probe", "set rollout.weight_sync.check=false"]),
     (["train.max_tokens_per_micro_batch=8"], ["data.max_prompt_tokens + rollout.sampling.max_new_tokens = 20 tokens",
                                               "train.max_tokens_per_micro_batch=8 x parallel.cp=1 = 8",
                                               "raise train.max_tokens_per_micro_batch to >= 20"]),
-    (["parallel.cp=2", "parallel.tp=1", "rollout.weight_sync.check=false", "train.max_tokens_per_micro_batch=8"],
+    (["parallel.cp=2", "parallel.tp=1", "train.max_tokens_per_micro_batch=8"],
      ["(20 once padded for parallel.cp=2", "train.max_tokens_per_micro_batch=8 x parallel.cp=2 = 16",
       "raise train.max_tokens_per_micro_batch to >= 10 or parallel.cp"]),
     (["train.packing=false", "train.max_tokens_per_micro_batch=64"],
@@ -218,7 +217,7 @@ def test_gpu_recipes_are_consistent(tmp_path):
         assert cfg.train.packing and cfg.train.max_tokens_per_micro_batch >= 5120
         # the long-context variant the recipes describe: twice the ranks, every sequence split over 2
         long = build_run_config(config_io.merge(mapping, config_io.parse_overrides(
-            [f"parallel.world_size={2 * world}", "parallel.cp=2", "rollout.weight_sync.check=false"])))
+            [f"parallel.world_size={2 * world}", "parallel.cp=2"])))
         check_run_config(long, files=False)
         assert long.parallel.dp == cfg.parallel.dp
 
