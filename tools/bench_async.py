@@ -77,7 +77,8 @@ def throughput(args, assets) -> dict:
             runs[name].append(measure(args, name, common, rep))
     results = {}
     for name, reps in runs.items():
-        best = sorted(reps, key=lambda r: r["steps_per_s"])[len(reps) // 2]  # the median repeat
+        # the median repeat (a whole run, so its columns agree); of an even count the lower middle one
+        best = sorted(reps, key=lambda r: r["steps_per_s"])[(len(reps) - 1) // 2]
         results[name] = dict(best, repeats_steps_per_s=[r["steps_per_s"] for r in reps])
     return results
 
@@ -131,7 +132,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median is reported")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median run is reported (even counts: the lower middle one)")
     ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
     ap.add_argument("--curves-only", action="store_true")
     ap.add_argument("--curve-steps", type=int, default=200)
