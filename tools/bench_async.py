@@ -132,7 +132,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median run is reported (even counts: the lower middle one)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per mode (interleaved); the median run is reported (of an even count the lower one)")
     ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
     ap.add_argument("--curves-only", action="store_true")
     ap.add_argument("--curve-steps", type=int, default=200)
