@@ -47,6 +47,19 @@ class EngineSpec:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     launch_timeout_s: float = 300.0  # embedded: interpreter + model load (SGLang: sglang.health_timeout_s)
 
+    def sglang_server(self, log_path: Optional[str] = None, devices: Optional[str] = None):
+        """The ``sglang.launch_server`` configuration of this engine (``devices``: its CUDA_VISIBLE_DEVICES)."""
+        from megatron_rl.rollout.sglang import SGLangServerConfig
+
+        s = self.sglang
+        return SGLangServerConfig(
+            model_path=self.model_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction_static,
+            host=self.host, dtype=s.dtype, random_seed=self.seed, enable_return_routed_experts=self.routed_experts,
+            enable_memory_saver=s.enable_memory_saver, sampling_backend=s.sampling_backend,
+            enable_deterministic_inference=self.deterministic,
+            extra_args=tuple(s.extra_args), health_timeout_s=s.health_timeout_s, log_path=log_path,
+            env=dict(s.env, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})))
+
 
 class EngineWorker:
     def __init__(self, spec: EngineSpec):
@@ -93,17 +106,9 @@ class EngineWorker:
             extra_args=["--max-batch-rows", "256", "--dtype", spec.dtype, "--device", device])
 
     def _launch_sglang(self):
-        from megatron_rl.rollout.sglang import SGLangServerConfig, launch_sglang_server
+        from megatron_rl.rollout.sglang import launch_sglang_server
 
-        spec, s = self.spec, self.spec.sglang
-        cfg = SGLangServerConfig(
-            model_path=spec.model_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction_static,
-            host=spec.host, dtype=s.dtype, random_seed=spec.seed, enable_return_routed_experts=spec.routed_experts,
-            enable_memory_saver=s.enable_memory_saver, sampling_backend=s.sampling_backend,
-            enable_deterministic_inference=spec.deterministic,
-            extra_args=tuple(s.extra_args), health_timeout_s=s.health_timeout_s, log_path=self.log_path,
-            env=dict(s.env, **({"CUDA_VISIBLE_DEVICES": self.devices} if self.devices else {})))
-        return launch_sglang_server(cfg)
+        return launch_sglang_server(self.spec.sglang_server(self.log_path, self.devices))
 
     # ---- recovery (engine_health.py) ----------------------------------------------------------------
 

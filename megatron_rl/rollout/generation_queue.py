@@ -49,7 +49,6 @@ class GenerationQueue:
         self._cv = threading.Condition()
         self._paused = False
         self._stopped = False
-        self._running = False
         self._in_flight: dict = {}  # id(row) -> (job, slot) of the rows in the engine's batch
         self._thread = threading.Thread(target=self._work, name="generation-queue", daemon=True)
         self._thread.start()
@@ -76,9 +75,11 @@ class GenerationQueue:
 
     @property
     def busy(self) -> bool:
-        """Requests are running or waiting (SGLang then refuses to flush its cache)."""
+        """Requests are running or waiting (SGLang then refuses to flush its cache or release memory). Rows,
+        not the worker: once the last row is delivered the server is idle, as SGLang's scheduler is, even while
+        the decode loop winds down (the engine's lock serialises what comes next)."""
         with self._cv:
-            return self._running or bool(self._jobs)
+            return bool(self._jobs) or bool(self._in_flight)
 
     def pause(self) -> None:
         with self._cv:
@@ -160,14 +161,12 @@ class GenerationQueue:
                     return
                 if self._paused:
                     continue
-                self._running = True
             try:
                 self.engine.generate_stream(self._take, self._deliver)
                 error = None
             except BaseException as e:  # noqa: BLE001 - reported to every job: the next would meet it too
                 error = e
             with self._cv:
-                self._running = False
                 for job, _ in self._in_flight.values():
                     job.running -= 1
                     job.error = job.error or error or RuntimeError("the engine returned without answering a row")

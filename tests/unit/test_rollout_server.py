@@ -421,6 +421,24 @@ def test_release_resume_info_and_version(dense_server):
     assert info["tp_size"] == 1 and info["enable_deterministic_inference"] is True
 
 
+def test_the_server_is_idle_once_the_last_answer_is_out(dense_server, monkeypatch):
+    """SGLang's scheduler is idle once its last request finished: a release (or a flushing update) that follows
+    the last answer is accepted, even while the embedded engine's decode loop is still winding down (here held
+    0.5 s after it delivered every row); it waits for the loop, never a 400 'only when server is idle'."""
+    engine, client = dense_server.engine, SGLangClient(dense_server.url, retry=FAST)
+    stream = engine.generate_stream
+
+    def slow_to_return(take, deliver):
+        stream(take, deliver)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(engine, "generate_stream", slow_to_return)
+    assert client.generate_one(GenerateRequest((1, 2), SamplingParams(max_new_tokens=3)))
+    client.release_memory_occupation()  # the loop is still inside generate_stream
+    client.resume_memory_occupation()
+    assert client.generate_one(GenerateRequest((1, 2), SamplingParams(max_new_tokens=3)))
+
+
 def test_health_reflects_a_wedged_engine():
     """/health generates one token: an engine that stops making progress is reported 503 (defect 16.1)."""
     engine = EmbeddedEngine(tiny_qwen3(), EmbeddedEngineConfig(seeds="deterministic"))

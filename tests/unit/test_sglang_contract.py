@@ -257,3 +257,49 @@ def test_routed_experts_round_trip_through_sglangs_capture(sglang_python):
     for i, t in captured.items():
         full[:, i] = t
     assert wire.encode_routed(full) == b64  # the embedded server's encoding is SGLang's
+
+
+def test_our_launch_command_lines_parse_in_sglangs_own_parser(sglang_python, tmp_path):
+    """What `sglang.launch_server` would do with our command lines before anything else: SGLang's own
+    `ServerArgs.add_cli_args` parser. Every option on; and the GPU recipes' engines, seeded or not, with the
+    values they set arriving as SGLang reads them."""
+    from megatron_rl.config import build_run_config, resolve_mapping
+    from megatron_rl.orchestration.engine_worker import EngineSpec
+    from megatron_rl.rollout.sglang import SGLangServerConfig
+
+    def launch_args(cfg: SGLangServerConfig) -> list:
+        argv = cfg.argv(port=31000)
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        return argv[3:]
+
+    everything = SGLangServerConfig(model_path="/m", tp_size=2, mem_fraction_static=0.6, random_seed=1,
+                                    enable_return_routed_experts=True, enable_memory_saver=True,
+                                    sampling_backend="pytorch", enable_deterministic_inference=True,
+                                    extra_args=("--disable-radix-cache",))
+    cases = {"everything": everything}
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    for name in ("qwen3_dense", "qwen3_moe"):
+        for seeded in (False, True):
+            cfg = build_run_config(resolve_mapping(os.path.join(ROOT, "examples", f"{name}.yaml"), [
+                f"data.path={data}", f"eval.data.path={data}", f"rollout.seeded={str(seeded).lower()}"]))
+            r = cfg.rollout
+            spec = EngineSpec(kind="sglang", model_path=cfg.model.hf_path, deterministic=r.deterministic_inference,
+                              seed=cfg.seed, routed_experts=cfg.train.routing_replay, sglang=r.sglang)
+            cases[f"{name}/seeded={seeded}"] = spec.sglang_server()
+    out = run_side(sglang_python, "server_args.py", {"argvs": [launch_args(c) for c in cases.values()]})["parsed"]
+    bogus = run_side(sglang_python, "server_args.py", {"argvs": [["--model-path", "/m", "--no-such-flag"]]})
+    assert not bogus["parsed"][0]["ok"] and "--no-such-flag" in bogus["parsed"][0]["error"]  # the check can fail
+    for (name, cfg), parsed in zip(cases.items(), out):
+        assert parsed["ok"], (name, parsed.get("error"))
+        got = parsed["args"]
+        assert (got["model_path"], got["tp_size"], got["dtype"], got["host"], got["port"]) == (
+            cfg.model_path, cfg.tp_size, cfg.dtype, cfg.host, 31000), name
+        assert got["mem_fraction_static"] == cfg.mem_fraction_static and got["random_seed"] == cfg.random_seed
+        assert got["enable_deterministic_inference"] is cfg.enable_deterministic_inference, name
+        assert got["enable_return_routed_experts"] is cfg.enable_return_routed_experts, name
+        assert got["enable_memory_saver"] is cfg.enable_memory_saver and got["skip_tokenizer_init"] is True
+    assert out[0]["args"]["sampling_backend"] == "pytorch" and out[0]["args"]["disable_radix_cache"] is True
+    recipes = dict(zip(cases, out))
+    assert recipes["qwen3_moe/seeded=False"]["args"]["enable_return_routed_experts"] is True
+    assert recipes["qwen3_dense/seeded=True"]["args"]["enable_deterministic_inference"] is True
