@@ -180,6 +180,33 @@ def test_single_server_requests_wait_for_the_restart_which_waits_for_the_hold(mo
         assert "engine 0" in str(out["error"]) and "max_restarts=1" in str(out["error"])
 
 
+def test_a_restarted_server_failing_its_probe_stays_out_until_one_passes(model_dir, tmp_path, trained):
+    """Re-admission is gated by the probe check: a restarted server whose probe fails (its weights are not the
+    trainer's) is restarted again, never put back in rotation, and serves nothing until a probe passes."""
+    from megatron_rl.rollout.weight_sync import WeightMismatchError
+
+    with _watched(model_dir, tmp_path, trained, servers=2, max_restarts=3) as (workers, engine, monitor, trainer):
+        failed = []
+        sync = trainer.__call__
+
+        def first_probe_fails(index, url):
+            if not failed:
+                failed.append((url, engine.available[index], engine.clients[index].url))
+                raise WeightMismatchError("weight sync check failed (test): the engine's weights are not the "
+                                          "trainer's")
+            return sync(index, url)
+
+        monitor.resync = first_probe_fails
+        thread, out = _in_flight(engine, 0)
+        workers[0].kill()
+        _assert_reference(thread, out, trained)  # everything answered by server 1, as the reference would
+        _wait_for(lambda: monitor.restarts == 2 and all(engine.available), what="server 0 back")
+        (bad_url, available, client_url), = failed
+        assert not available and client_url != bad_url  # while its probe failed it was out, not yet swapped in
+        assert trainer.synced == [(0, engine.clients[0].url)] and engine.clients[0].url != bad_url
+        assert engine.resent[0] >= 2 and monitor.metrics()["engine/restarts"] == 2.0
+
+
 def test_kill_plan_parses_and_rejects():
     assert kill_plan("2:0, 2:1,3:0,1:1:sync") == {(2, "rollout"): [0, 1], (3, "rollout"): [0], (1, "sync"): [1]}
     assert kill_plan(None) == {} and kill_plan("") == {}
