@@ -203,7 +203,7 @@ class RolloutConfig:
     deterministic_inference: Optional[bool] = None
     balancer: Literal["round_robin", "least_outstanding"] = "least_outstanding"
     max_concurrency: int = 64  # prompts (requests of n samples) in flight from the driver
-    # one-sample /generate requests in flight to each engine server: what a server can batch at once (SGLang
+    # samples (/generate batch items) in flight to each engine server: what a server can batch at once (SGLang
     # batches whatever is in flight; too few leaves the tail of a step's samples queued client-side)
     max_samples_in_flight: int = 256
     request_timeout_s: float = 600.0

@@ -1,20 +1,32 @@
 #!/usr/bin/env python
 """Benchmark: rollout modes side by side -- ``sync``, ``one_step``, ``async`` (max_staleness 1 and 2).
 
-Throughput (default): a long-tail workload on the tiny recipe's model, disaggregated on CPU: one trainer
-process (TP=1) and one embedded engine process. Response lengths are geometric -- seven of the 64 tokens
-(EOS and the six the random student samples most) stop a response, ~13 % per token -- so the median response
-is ~6 tokens and a few per step reach the 48-token cap, 8x the median: the engines' long tail. Dynamic sampling
-is off and the learning rate tiny, so the length distribution stays put while the modes are timed. Each mode
-runs ``--steps`` steps through ``megatron-rl train`` (its own process, its own Ray); the first two steps
-(start-up, pipeline fill) and the last (the final checkpoint) are not timed. Per mode: steps/s, generated and
-trained tokens/s, the engine's and the trainer's idle fractions, staleness, and the sequences spanning versions.
+Throughput (default): a long-tail workload on the tiny recipe's (random, untrained) student, disaggregated on
+CPU: one trainer process (TP=1) and one embedded engine process, 8 prompts x 8 samples per step. A response
+stops at EOS or token 38 (~3 % of the student's samples per token) or at the 192-token cap: lengths are
+geometric, median 22 and mean 31 tokens, and the longest of a step's 64 is 4-8x its median (measured on 512
+samples: 4.3-8.1x, 5.8x on average) -- the engines' long tail. A sync step then spends ~55 % of its time
+generating, as RL at scale does. The student's 64-position context is widened to 256 for this (RoPE: the
+weights stand). ``--prompts 16 --stop-tokens 6 --max-new-tokens 48`` is the short workload: six more stop
+tokens (~13 % per token), median ~6, cap 48; a sync step there is ~60 % training, which bounds what any overlap
+can gain (see the README). Dynamic sampling is off and the learning rate tiny, so the length distribution stays
+put while the modes are timed. Each mode runs ``--steps`` steps through ``megatron-rl train`` (its own process,
+its own Ray); the first two steps (start-up, pipeline fill) and the last (the final checkpoint) are not timed.
+Per mode: steps/s, generated and trained tokens/s, the engine's and the trainer's idle fractions, staleness, and
+the sequences spanning versions.
+The recipe's optional gain diagnostic (one more forward per step; off by default) is off, as are evaluation and
+checkpoints: the modes are timed on the training work itself.
+
+Disaggregated means the engine and the trainer have their own device. On a CPU machine the bench emulates that
+by pinning the engine server's process to one core and the trainer's to another (``--pin``, the default when the
+machine has 2+ cores; every thread, the whole run, every mode alike); the driver and Ray float. ``--no-pin``
+lets them share the cores, so async's overlap also makes them compete for the same cores.
 
 Reward curves (``--curves``): the tiny recipe itself (imitation warm-up, then GRPO with dynamic sampling and
 token TIS; examples/tiny_cpu.yaml), disaggregated, ``sync`` vs ``async`` (max_staleness 1, partial): greedy
 eval reward every 10 steps.
 
-  python tools/bench_async.py                 # ~10 min on 2 quiet cores
+  python tools/bench_async.py                 # 5 modes x 3 runs, ~10 min on 2 quiet cores
   python tools/bench_async.py --curves        # + the reward curves (~15 min)
   python tools/bench_async.py --curves-only --curve-seeds 2   # two seeds of each mode: sync's own spread is the noise
 Prints markdown tables (with the machine's load average); writes JSON to --out
@@ -26,9 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +52,7 @@ sys.path.insert(0, str(REPO))
 from megatron_rl.metrics import read_metrics  # noqa: E402
 
 RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
-STOP_TOKENS = [38, 29, 20, 36, 18, 4]  # with EOS (2): ~13 % of the random student's samples
+STOP_TOKENS = [38, 29, 20, 36, 18, 4]  # the student's most sampled tokens; with EOS (2): 1 ~3 %, all 6 ~13 %
 MODES = {
     "sync": ["rollout.mode=sync"],
     "one_step": ["rollout.mode=one_step"],
@@ -57,20 +71,63 @@ def run(args, out_dir: Path, overrides) -> list:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", RECIPE, f"logging.output_dir={out_dir}", "overwrite=true",
            "logging.progress=false", "logging.tensorboard=false", "logging.print_samples=0",
            "checkpoint.save_hf=false", "rollout.placement=disaggregated", *overrides]
-    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pinner = threading.Thread(target=pin_roles, args=(proc,), daemon=True) if args.pin else None
+    if pinner:
+        pinner.start()
+    try:
+        _, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")
     return read_metrics(str(out_dir))
 
 
+ROLES = {"megatron_rl.rollout.server": 0, "ray::TrainerWorker": 1}  # cmdline marker -> core
+
+
+def pin_roles(proc: subprocess.Popen) -> None:
+    """Pin every thread of the run's engine server to core 0 and of its trainer worker to core 1, until the run
+    ends (threads started later inherit the pin of the thread that starts them; the scan catches the rest)."""
+    from tools.chaos import descendants  # the run's processes: Ray's raylet is the driver's child, workers its
+
+    while proc.poll() is None:
+        for pid, cmdline in descendants(proc.pid).items():
+            core = next((c for marker, c in ROLES.items() if marker in cmdline), None)
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task") if core is not None else ():
+                    os.sched_setaffinity(int(tid), {core})
+            except OSError:  # the process or thread is gone
+                pass
+        time.sleep(0.5)
+
+
+def long_context_student(student: str, positions: int) -> str:
+    """The random student with room for ``positions`` tokens (its 64 are too few for long responses). Qwen3 computes
+    RoPE on the fly, so the weights stand as they are; only the config changes."""
+    out = Path(student + f"_ctx{positions}")
+    if not out.exists():
+        shutil.copytree(student, out)
+        config = json.loads((out / "config.json").read_text())
+        config["max_position_embeddings"] = positions
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+    return str(out)
+
+
 def throughput(args, assets) -> dict:
-    common = [f"prepare.kind=none", f"model.hf_path={assets['student']}", f"data.path={assets['train.jsonl']}",
+    if 8 + args.max_new_tokens > 256:
+        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: at most 248 (8 prompt tokens, 256 positions)")
+    student = assets["student"] if 8 + args.max_new_tokens <= 64 else long_context_student(assets["student"], 256)
+    common = [f"prepare.kind=none", f"model.hf_path={student}", f"data.path={assets['train.jsonl']}",
               "data.max_prompt_tokens=8", "warmup.steps=0", "warmup.teacher=null", "eval.interval=0", "eval.data=null",
               f"steps={args.steps}", "parallel.world_size=1", "parallel.tp=1", "rollout.dynamic_sampling=false",
               f"rollout.prompts_per_step={args.prompts}", "rollout.n_samples_per_prompt=8",
-              f"train.micro_batch_size={args.micro_batch}", "rollout.sampling.max_new_tokens=48",
-              f"rollout.sampling.stop_token_ids={STOP_TOKENS}", "optim.lr=1e-6", "optim.schedule.min_lr=1e-7",
-              "checkpoint.interval=0"]
+              f"train.micro_batch_size={args.micro_batch}", f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
+              f"rollout.sampling.stop_token_ids={STOP_TOKENS[:args.stop_tokens]}", "optim.lr=1e-6",
+              "optim.schedule.min_lr=1e-7",
+              "checkpoint.interval=0", "diagnostics.gain=false"]
     runs = {name: [] for name in args.modes}
     for rep in range(args.repeat):  # modes interleaved: a load that drifts over time hits each mode alike
         for name in args.modes:
@@ -128,17 +185,21 @@ def curves(args, assets) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
     ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--stop-tokens", type=int, default=1, help="how many of STOP_TOKENS stop a response (with EOS)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=int, default=3,
                     help="runs per mode (interleaved); the median run is reported (of an even count the lower one)")
     ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
     ap.add_argument("--curves-only", action="store_true")
     ap.add_argument("--curve-steps", type=int, default=200)
     ap.add_argument("--curve-seeds", type=int, default=1,
                     help="run seeds 0..N-1 of each mode: the spread between seeds of sync is the noise to compare with")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
+                    help="engine server on core 0, trainer on core 1: disaggregated devices (default with 2+ cores)")
     ap.add_argument("--work", default="runs/bench_async")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default="bench_results/bench_async.json")
@@ -149,9 +210,12 @@ def main() -> None:
     report = {"load_start": load(), "cpus": os.cpu_count(), "args": vars(args)}
     if not args.curves_only:
         report["throughput"] = tp = throughput(args, assets)
+        pinned = ("engine server pinned to core 0, trainer to core 1" if args.pin else
+                  "unpinned: processes share the cores")
         base = tp.get("sync", {}).get("steps_per_s")
-        print(f"\n### Long-tail workload: {args.prompts} prompts x 8 samples per step, 1 trainer + 1 engine process "
-              f"(load average at start {report['load_start']})\n")
+        print(f"\n### Long-tail workload: {args.prompts} prompts x 8 samples per step, {args.stop_tokens} stop "
+              f"token(s) + EOS, cap {args.max_new_tokens}; 1 trainer + 1 engine process ({pinned}; load average at start "
+              f"{report['load_start']})\n")
         print("| mode | steps/s (median) | vs sync | each repeat | generated tok/s | trained tok/s | engine idle | "
               "trainer idle | staleness mean / max | spanning seqs | load (1/5/15 min) before |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -14,16 +14,18 @@ Failure policy (``RetryPolicy``):
 * read timeouts: not retried by default (a slow generation retried is a doubled load).
 
 SGLang 0.5.23 rules the client follows (each was a hang or a silent collapse against the real server):
-a request's ``n`` samples go as ``n`` requests of one sample, each with its own seed and rid (SGLang gives
-every child of one request the same seed under deterministic inference, and fresh rids we could not
-abort by); unseeded samples still get a random seed (SGLang would seed them all 42); weight versions are
-read from ``/model_info`` (there is no ``/get_weight_version``); routed experts are decoded with the
-model's :class:`~megatron_rl.rollout.protocol.ExpertLayout`; "processed" log-probs are requested with
+a request's ``n`` samples go as one batch of ``n`` one-sample items, each with its own seed and rid (SGLang
+gives every child of an ``n > 1`` request the same seed under deterministic inference, and fresh rids we
+could not abort by; a batch item with ``n = 1`` keeps the seed and rid we send); unseeded samples still get
+a random seed (SGLang would seed them all 42); weight versions are read from ``/model_info`` (there is no
+``/get_weight_version``); routed experts are decoded with the model's
+:class:`~megatron_rl.rollout.protocol.ExpertLayout`; "processed" log-probs are requested with
 ``return_sampling_mask`` and read from ``output_token_sampling_logprobs``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import threading
@@ -34,7 +36,6 @@ import secrets
 import socket
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -129,10 +130,11 @@ class SGLangClient:
         self.shared_files = _is_local_address(self._host) if shared_files is None else shared_files
         self._lock = threading.Lock()
         self._children: Dict[str, List[str]] = {}  # in-flight request rid -> the rids of its n samples
-        # one-sample requests in flight to this server (a request's n samples are n requests): the server batches
-        # what is in flight, so this bounds its running batch from our side
+        # samples in flight to this server: the server batches what is in flight, so this bounds its running batch
+        # from our side (a request larger than the bound goes alone)
         self.max_in_flight = max_in_flight
-        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="sglang-client")
+        self._slots = threading.Condition()
+        self._in_flight = 0
 
     def with_url(self, url: str) -> "SGLangClient":
         """A client with this one's settings for another server (a restarted engine's new address)."""
@@ -226,38 +228,50 @@ class SGLangClient:
         return self.request("POST", "/generate", body)
 
     def generate_one(self, req: GenerateRequest) -> List[Sample]:
-        """One request -> its ``n`` samples, sent concurrently as ``n`` one-sample requests, each with its own
-        seed (``derive_seed(seed, j)``; a random seed when the request has none) and rid (``rid-j``)."""
+        """One request -> its ``n`` samples, sent as one ``/generate`` batch of ``n`` one-sample items, each with its
+        own seed (``derive_seed(seed, j)``; a random seed when the request has none) and rid (``rid-j``)."""
         base = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
         rid = req.rid or secrets.token_hex(16)
         n = req.sampling.n
         children = [GenerateRequest(req.prompt_ids, dataclasses.replace(req.sampling, n=1, seed=derive_seed(base, j)),
                                     req.return_top_logprobs, req.return_routed_experts, rid if n == 1 else f"{rid}-{j}",
                                     req.return_sampling_logprobs) for j in range(n)]
+        # "processed" differs from "raw" only under a filter; unfiltered, SGLang's support is the whole vocabulary
+        # (and over --sampling-mask-max-tokens it aborts the request)
+        processed = self.logprob_mode == "processed" and req.sampling.filtered
+        body = (wire.request_to_json(children[0], sampling_logprobs=processed) if n == 1 else
+                wire.batch_request_to_json(children, sampling_logprobs=processed))
         with self._lock:
             self._children[rid] = [c.rid for c in children]
         try:
-            if n == 1:
-                return [self._generate_child(children[0], 0)]
-            futures = [self._pool.submit(self._generate_child, c, j) for j, c in enumerate(children)]
-            return [f.result() for f in futures]
+            with self._samples_in_flight(n):
+                answer = self.generate_raw(body)
         finally:
             with self._lock:
                 self._children.pop(rid, None)
+        items = answer if isinstance(answer, list) else [answer]
+        if len(items) != n:
+            raise ServerError(f"/generate answered {len(items)} items for {n} samples", self.url)
+        samples = []
+        for j, (item, child) in enumerate(zip(items, children)):
+            sample = wire.sample_from_json(item, child, j, self.expert_layout, "processed" if processed else "raw")
+            if not req.sampling.filtered:
+                sample.logprob_mode = self.logprob_mode  # the two conventions coincide
+            samples.append(sample)
+        return samples
 
-    def _generate_child(self, one: GenerateRequest, index: int) -> Sample:
-        # "processed" differs from "raw" only under a filter; unfiltered, SGLang's support is the whole vocabulary
-        # (and over --sampling-mask-max-tokens it aborts the request)
-        processed = self.logprob_mode == "processed" and one.sampling.filtered
-        item = self.generate_raw(wire.request_to_json(one, sampling_logprobs=processed))
-        if isinstance(item, list):
-            if len(item) != 1:
-                raise ServerError(f"/generate answered {len(item)} items for one sample", self.url)
-            item = item[0]
-        sample = wire.sample_from_json(item, one, index, self.expert_layout, "processed" if processed else "raw")
-        if not one.sampling.filtered:
-            sample.logprob_mode = self.logprob_mode  # the two conventions coincide
-        return sample
+    @contextlib.contextmanager
+    def _samples_in_flight(self, n: int):
+        with self._slots:
+            while self._in_flight and self._in_flight + n > self.max_in_flight:
+                self._slots.wait()
+            self._in_flight += n
+        try:
+            yield
+        finally:
+            with self._slots:
+                self._in_flight -= n
+                self._slots.notify_all()
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
         """``[L - 1]`` teacher-forced log-probs of ``token_ids[1:]`` (``input_token_logprobs``, temperature 1)."""

@@ -11,6 +11,8 @@ the HTTP client, the balancer, the weight sync and the driver meet SGLang's rule
 * the weight group is joined exactly as ``init_custom_process_group`` does (``weight_group.py``);
 * ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``, and then all ``n`` children
   of a request share it (42 when absent); ``min_p > 0`` makes SGLang's seeded sampler assert (500 here);
+* a batch (lists of ``input_ids``, ``sampling_params``, ``rid``) is one request per item, which keeps its rid
+  and seed when ``n = 1`` (a string ``rid`` becomes ``rid_i``); answered when every item is done;
 * ``n > 1`` children get fresh ids; prompt ids ``>= vocab_size - 1`` are reported as 0 in
   ``input_token_logprobs``; ``output_token_logprobs`` are always "raw", the "processed" ones come as
   ``output_token_sampling_logprobs`` with ``return_sampling_mask``;

@@ -287,6 +287,17 @@ def request_to_json(req: GenerateRequest, *, sampling_logprobs: bool = False) ->
     return body
 
 
+def batch_request_to_json(reqs: Sequence[GenerateRequest], *, sampling_logprobs: bool = False) -> Dict[str, Any]:
+    """One ``/generate`` body for several requests in SGLang's batch form: per-item ``input_ids``,
+    ``sampling_params`` and ``rid``; the rest is shared, so ``reqs`` must agree on it."""
+    per_item = ("input_ids", "sampling_params", "rid")
+    bodies = [request_to_json(r, sampling_logprobs=sampling_logprobs) for r in reqs]
+    shared = [{k: v for k, v in b.items() if k not in per_item} for b in bodies]
+    if any(r.rid is None for r in reqs) or any(s != shared[0] for s in shared):
+        raise ValueError("batch_request_to_json: every request needs a rid and the same response options")
+    return dict(shared[0], **{k: [b[k] for b in bodies] for k in per_item})
+
+
 def prompt_logprobs_request(token_ids: Sequence[int], routed_experts: bool = False) -> Dict[str, Any]:
     """A ``/generate`` body that scores ``token_ids`` (SGLang and the embedded server). Temperature 1 so the
     answer is the plain log-softmax; one new token because SGLang's sampler always runs (it is never used).

@@ -42,7 +42,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained():
     """The "trainer's" weights (not the checkpoint the servers start from), the samples they give REQUESTS (the
-    client sends each of a request's n samples as a one-sample request with a derived seed) and PROBE's log-probs."""
+    client sends a request's n samples as n one-sample batch items with derived seeds) and PROBE's log-probs."""
     engine = EmbeddedEngine(tiny_qwen3(seed=1), EmbeddedEngineConfig(seeds="deterministic"))
     samples = [[engine.generate([GenerateRequest(r.prompt_ids, dataclasses.replace(
         r.sampling, n=1, seed=derive_seed(r.sampling.seed, j)))])[0] for j in range(r.sampling.n)] for r in REQUESTS]

@@ -62,7 +62,8 @@ def _raw(server, method, path, data, headers=None):
 
 
 def test_round_trip_equals_direct_engine_output(moe_server):
-    """The client's n one-sample requests, seeded derive_seed(seed, j), reproduce the in-process engine's n samples."""
+    """The client's batch of n one-sample items, seeded derive_seed(seed, j), reproduces the in-process engine's n
+    samples."""
     client = SGLangClient(moe_server.url, retry=FAST, expert_layout=moe_server.engine.routing.layout)
     remote = RemoteEngine([client]).generate(_reqs(routed=True))
     direct = EmbeddedEngine(moe_server.engine.model).generate(_reqs(routed=True))
@@ -104,7 +105,7 @@ def test_routed_experts_have_one_column_block_per_decoder_layer(moe_server):
 
 def test_n_children_share_the_seed_and_get_fresh_rids(moe_server):
     """SGLang under deterministic inference gives the n children of one request its seed (identical tokens)
-    and fresh rids; the client sends n one-sample requests with their own seeds and rids (defects 4, 11)."""
+    and fresh rids; the client sends a batch of n one-sample items with their own seeds and rids (defects 4, 11)."""
     client = SGLangClient(moe_server.url, retry=FAST)
     items = client.generate_raw({"input_ids": [5, 6], "rid": "mine", "return_logprob": True,
                                  "sampling_params": {"max_new_tokens": 6, "n": 4, "sampling_seed": 9}})
@@ -548,7 +549,7 @@ def test_concurrent_requests_are_gathered_into_one_engine_call():
 
 
 def test_the_client_keeps_a_whole_step_of_samples_in_flight(dense_server):
-    """16 requests x n=8 reach the server as 128 one-sample requests at once, so it can batch them all (the
+    """16 requests x n=8 reach the server as 128 rows at once, so it can batch them all (the
     client once kept 64 in flight: the step's last samples queued client-side behind the first ones)."""
     engine, queue = dense_server.engine, dense_server.queue
     remote = RemoteEngine([SGLangClient(dense_server.url, retry=FAST)])
@@ -566,6 +567,28 @@ def test_the_client_keeps_a_whole_step_of_samples_in_flight(dense_server):
     remote.shutdown()
     assert waiting == 128
     assert len(out["samples"]) == 128
+
+
+@pytest.mark.parametrize("max_in_flight, n, expected", [(20, 8, 16), (4, 8, 8)])
+def test_the_client_bounds_the_samples_in_flight(dense_server, max_in_flight, n, expected):
+    """``max_samples_in_flight`` counts samples, not requests: with a bound of 20 two 8-sample batches are at the
+    server, never three; a request larger than the bound still goes, alone."""
+    engine, queue = dense_server.engine, dense_server.queue
+    remote = RemoteEngine([SGLangClient(dense_server.url, retry=FAST, max_in_flight=max_in_flight)])
+    reqs = [GenerateRequest((i + 1, 2), SamplingParams(n=n, max_new_tokens=2, seed=i)) for i in range(6)]
+    out, seen = {}, []
+    with engine._exclusive():
+        thread = threading.Thread(target=lambda: out.setdefault("samples", remote.generate(reqs)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while (not seen or seen[-1] < expected or len(seen) < 20) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            with queue._cv:
+                seen.append(sum(len(job.requests) for job in queue._jobs))
+    thread.join(60)
+    remote.shutdown()
+    assert max(seen) == expected
+    assert len(out["samples"]) == 6 * n
 
 
 @pytest.fixture(scope="module")

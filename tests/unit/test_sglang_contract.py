@@ -191,17 +191,23 @@ def test_every_request_we_send_is_accepted_by_sglang_with_no_field_dropped(sessi
         assert not verdict.get("ignored_keys"), (sent, verdict)
 
 
-def test_n_samples_go_as_one_sample_requests_with_their_own_seeds_and_rids(session):
+def test_n_samples_go_as_one_batch_of_one_sample_items_with_their_own_seeds_and_rids(session):
+    """A prompt's n samples: one /generate in SGLang's batch form, which its tokenizer manager splits into n
+    requests of one sample, each keeping the rid and the seed we sent (with n > 1 SGLang would seed every child
+    alike under deterministic inference and give them fresh rids)."""
     generate = [(s, v) for s, v in zip(session["log"], session["judged"])
-                if s["endpoint"] == "/generate" and s["body"].get("rid", "").startswith("grp-0")]
-    assert len(generate) == 3
-    children = [c for _, v in generate for c in v["expansion"]["children"]]
-    assert len(children) == 3  # SGLang fans out nothing: n=1 each
-    assert sorted(c["rid"] for c in children) == ["grp-0-0", "grp-0-1", "grp-0-2"]
+                if s["endpoint"] == "/generate" and "grp-0-0" in (s["body"].get("rid") or [])]
+    assert len(generate) == 1
+    (sent, verdict), = generate
+    expansion = verdict["expansion"]
+    assert (expansion["batch_size"], expansion["parallel_sample_num"], expansion["prefix_warmup_requests"]) == (3, 1, 0)
+    children = expansion["children"]
+    assert [c["rid"] for c in children] == ["grp-0-0", "grp-0-1", "grp-0-2"]
     assert all(c["rid_source"] == "sent" for c in children)
     seeds = [c["sampling_seed"] for c in children]
     assert len(set(seeds)) == 3 and None not in seeds
-    assert all(s["body"].get("return_sampling_mask") for s, _ in generate)  # processed log-probs, filtered
+    assert [c["seed_if_deterministic"] for c in children] == seeds
+    assert sent["body"].get("return_sampling_mask")  # processed log-probs, filtered
 
 
 def test_our_weight_group_feeds_sglangs_weight_updater_bit_exactly(session):
