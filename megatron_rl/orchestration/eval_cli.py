@@ -122,11 +122,16 @@ def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str
     from megatron_rl.orchestration.evaluate import Evaluator
     from megatron_rl.orchestration.rollout import RolloutPhase
 
+    from megatron_rl.config_io import ConfigError
+
     closers: list = []
     try:
         tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer)
-        datasets = {name: PromptDataset(d, tokenizer) for name, d in setup.eval.named_datasets.items()}
-        rewards = RewardRunner(setup.reward)
+        try:  # an empty file, every prompt too long...: the config's problem, said as train says it
+            datasets = {name: PromptDataset(d, tokenizer) for name, d in fit_context(setup).items()}
+            rewards = RewardRunner(setup.reward)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         closers.append(rewards.close)
         phase = RolloutPhase(setup.rollout, _engine(setup, closers), tokenizer, None, rewards, seed=setup.seed,
                              batch_unit=1, progress_bars=progress)
@@ -135,6 +140,36 @@ def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str
     finally:
         for close in reversed(closers):
             close()
+
+
+def fit_context(setup: EvalSetup) -> Dict[str, Any]:
+    """The eval datasets with ``max_prompt_tokens`` lowered so that a prompt plus ``rollout.sampling.max_new_tokens``
+    fits the model's context (longer prompts are dropped and counted, as ``overlong_policy="drop"`` does; with
+    ``"error"`` the dataset names them): the engine would otherwise reject them mid-evaluation. Says so when it
+    lowers one; raises ``ConfigError`` when not even one prompt token fits."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from megatron_rl.config_io import ConfigError
+
+    context = getattr(AutoConfig.from_pretrained(setup.model), "max_position_embeddings", None)
+    new_tokens = setup.rollout.sampling.max_new_tokens
+    if context is None:
+        return dict(setup.eval.named_datasets)
+    room = context - new_tokens
+    if room < 1:
+        raise ConfigError(f"rollout.sampling.max_new_tokens={new_tokens} leaves no room for a prompt in the context "
+                          f"length {context} of {setup.model} (max_position_embeddings); lower it below {context}")
+    out = {}
+    for name, d in setup.eval.named_datasets.items():
+        if d.max_prompt_tokens > room:
+            print(f"megatron-rl eval: {name}: prompts over {room} tokens are left out (the model's context "
+                  f"{context} - rollout.sampling.max_new_tokens={new_tokens}; max_prompt_tokens was "
+                  f"{d.max_prompt_tokens})", file=sys.stderr)
+            d = dataclasses.replace(d, max_prompt_tokens=room)
+        out[name] = d
+    return out
 
 
 def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
@@ -156,7 +191,11 @@ def cli_main(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"megatron-rl eval: config error: {e}", file=sys.stderr)
         return 2
-    results = evaluate(setup, args.step)
+    try:
+        results = evaluate(setup, args.step)
+    except ConfigError as e:
+        print(f"megatron-rl eval: config error: {e}", file=sys.stderr)
+        return 2
     print(f"model: {setup.model}  (k={setup.eval.k}, {setup.eval.samples_per_prompt} samples per prompt, "
           f"reward {setup.reward.kind})")
     print(markdown_table(results))
