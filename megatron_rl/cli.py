@@ -4,25 +4,36 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import platform
 import sys
 from typing import List, Optional
 
 
 def _cmd_env(_args: argparse.Namespace) -> int:
-    """Print what this machine offers: versions, devices, optional GPU extras."""
+    """Print what this machine offers: versions, devices, optional GPU extras. Versions come from the installed
+    distributions' metadata, not by importing them (importing Megatron-Core, Ray and SGLang took ~10 s)."""
+    from importlib import metadata
+
     import torch
 
     print(f"python            {platform.python_version()}")
     print(f"torch             {torch.__version__} (cuda available: {torch.cuda.is_available()})")
     if torch.cuda.is_available():
         print(f"gpus              {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
-    for mod in ("megatron.core", "transformers", "ray", "datasets", "safetensors", "transformer_engine", "sglang"):
-        try:
-            m = importlib.import_module(mod)
-            print(f"{mod:<17} {getattr(m, '__version__', 'installed')}")
-        except Exception as e:  # noqa: BLE001 - report, never crash
-            print(f"{mod:<17} not available ({type(e).__name__})")
+    for mod, dists in (("megatron.core", ("megatron-core",)), ("transformers", ("transformers",)), ("ray", ("ray",)),
+                       ("datasets", ("datasets",)), ("safetensors", ("safetensors",)),
+                       ("transformer_engine", ("transformer-engine", "transformer_engine")), ("sglang", ("sglang",))):
+        version = None
+        for dist in dists:
+            try:
+                version = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        if version is None and importlib.util.find_spec(mod.split(".")[0]) is not None:
+            version = "installed"  # importable without distribution metadata (a source checkout on the path)
+        print(f"{mod:<17} {version or 'not available'}")
     return 0
 
 
@@ -61,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_rl import upstream_warnings
+
+    upstream_warnings.install()
     args = build_parser().parse_args(argv)
     return args.func(args)
 
