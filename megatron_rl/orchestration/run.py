@@ -242,7 +242,8 @@ class Run:
         info = self.trainers.infos[0]
         self.peak_flops = info.get("peak_flops")
         if self.peak_flops:
-            logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
+            logger.info("MFU (perf/*mfu: a fraction of the peak, not %%): %.3f TFLOP/s peak per device (%s; %s); "
+                        "%d trainer + %d engine device(s)%s",
                         self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,
                         self.devices.engine, " (colocated)" if self.devices.colocated else "")
 
