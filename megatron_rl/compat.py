@@ -1,7 +1,7 @@
 """CPU compatibility layer for Megatron-Core 0.16.1 on a machine without CUDA.
 
-Megatron-Core assumes a CUDA device in many places (see ``/work/shared/docs/cpu_notes.md``). Every
-workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
+Megatron-Core assumes a CUDA device in many places (each patch below names the one it works around).
+Every workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
 condition under which it can be deleted. Nothing is patched at import time: :func:`apply` does it,
 once, and only when ``torch.cuda.is_available()`` is false — on a GPU machine it does nothing.
 

@@ -1,5 +1,6 @@
 """The methods' own diagnostics: the gain decomposition of an update (math_spec §h) and the information
-a step's rewards carry (§i). Pure functions over full, unsharded driver-side tensors.
+a step's rewards carry (§i); both written out for users in docs/report_formulas.md. Pure functions over
+full, unsharded driver-side tensors.
 
 Gain decomposition (§h.2). For an update θ → θ′, sequence ratio ρ(τ) = P^θ′(τ)/P^θ(τ) and any baseline
 b that depends on the prompt only:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The training–inference mismatch law on a real model: fp32 trainer vs bf16 rollout engine.
 
-The DVP paper (arXiv 2512.23087, math_spec §b.1) proves that a logit perturbation ‖z_inf − z_train‖_∞ <= ε
+The DVP paper (arXiv 2512.23087; docs/report_formulas.md, "The mismatch law") proves that a logit perturbation ‖z_inf − z_train‖_∞ <= ε
 moves a token's log-prob by at most (1 − p)(e^{2ε} − 1) ≈ 2ε(1 − p), p = π_train(token): tiny for likely
 tokens, largest in the tail. This tool samples responses from the embedded engine in bf16 (the rollout
 side: the log-probs it records while generating), scores the same tokens with the same weights in fp32
@@ -21,7 +21,7 @@ and reports:
   compositions and ``cpu_capability``;
 * the share of the total mismatch (Σ|Δ log p| and Σk3 over sampled tokens) from tail tokens (p < 1e-3)
   vs the rest, and a table by decade of p (of 1 − p near 1);
-* TRM's bounds (math_spec §a.2: Pinsker-marginal, mixed, adaptive, unified, classical) for response
+* TRM's bounds (docs/report_formulas.md: Pinsker-marginal, mixed, adaptive, unified, classical) for response
   lengths T = 4 ... 4096, from the measured exact D_tok,max = max over positions of KL(μ‖π) (rollout
   first), ε = max token TV, D^seq_KL = T · mean token KL and D̄_t = mean token TV.
 
