@@ -128,7 +128,13 @@ def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str
     try:
         tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer)
         try:  # an empty file, every prompt too long...: the config's problem, said as train says it
-            datasets = {name: PromptDataset(d, tokenizer) for name, d in fit_context(setup).items()}
+            fitted = fit_context(setup)
+            datasets = {name: PromptDataset(d, tokenizer) for name, d in fitted.items()}
+            for name, d in fitted.items():
+                if d is not setup.eval.named_datasets[name] and datasets[name].dropped_overlong:
+                    print(f"megatron-rl eval: {name}: {datasets[name].dropped_overlong} prompts over "
+                          f"{d.max_prompt_tokens} tokens left out (the model's context minus "
+                          f"rollout.sampling.max_new_tokens={setup.rollout.sampling.max_new_tokens})", file=sys.stderr)
             rewards = RewardRunner(setup.reward)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -145,8 +151,8 @@ def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str
 def fit_context(setup: EvalSetup) -> Dict[str, Any]:
     """The eval datasets with ``max_prompt_tokens`` lowered so that a prompt plus ``rollout.sampling.max_new_tokens``
     fits the model's context (longer prompts are dropped and counted, as ``overlong_policy="drop"`` does; with
-    ``"error"`` the dataset names them): the engine would otherwise reject them mid-evaluation. Says so when it
-    lowers one; raises ``ConfigError`` when not even one prompt token fits."""
+    ``"error"`` the dataset names them): the engine would otherwise reject them mid-evaluation (:func:`evaluate`
+    says how many it left out). Raises ``ConfigError`` when not even one prompt token fits."""
     import dataclasses
 
     from transformers import AutoConfig
@@ -164,9 +170,6 @@ def fit_context(setup: EvalSetup) -> Dict[str, Any]:
     out = {}
     for name, d in setup.eval.named_datasets.items():
         if d.max_prompt_tokens > room:
-            print(f"megatron-rl eval: {name}: prompts over {room} tokens are left out (the model's context "
-                  f"{context} - rollout.sampling.max_new_tokens={new_tokens}; max_prompt_tokens was "
-                  f"{d.max_prompt_tokens})", file=sys.stderr)
             d = dataclasses.replace(d, max_prompt_tokens=room)
         out[name] = d
     return out
