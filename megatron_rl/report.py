@@ -90,17 +90,22 @@ class _Plotter:
         steps = [line.get("step", 0) for line in m.lines]
         self.window = max(1, len(steps) // 25)
         self.warmup = [s for s, v in zip(*m.series("train/warmup")) if v > 0]
-        self._drawn: Dict[Tuple[int, tuple], str] = {}  # (axes, series) -> its label
+        self._drawn: List[Tuple[int, list, list, str]] = []  # (axes, x, y, label) of the series drawn
 
-    def _same_as(self, ax, x, y, label: str, kw: dict) -> str:
-        """Coinciding series would hide one another: the later one is dashed and says which it equals."""
-        key = (id(ax), tuple(x), tuple(y))
-        first = self._drawn.setdefault(key, label)
-        if first == label:
-            return label
-        kw.setdefault("ls", "--")
-        kw["lw"] = kw.get("lw", 1.4) + 0.6
-        return f"{label} (identical to {first})"
+    def _same_as(self, ax, x, y, label: str, kw: dict, rel: float = 0.01) -> str:
+        """Coinciding series would hide one another: the later one is dashed (and wider) and its label says
+        which it equals ("identical to": exactly; "within 1% of": indistinguishable at the plot's scale; log
+        axes spanning decades use 5%)."""
+        for other_ax, ox, oy, other in self._drawn:
+            if other_ax == id(ax) and ox == list(x) and len(oy) == len(y):
+                exact = list(oy) == list(y)
+                if exact or all(abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in zip(oy, y)):
+                    kw.setdefault("ls", "--")
+                    kw["lw"] = kw.get("lw", 1.4) + 0.6
+                    self._drawn.append((id(ax), list(x), list(y), label))
+                    return f"{label} ({'identical to' if exact else f'within {rel:.0%} of'} {other})"
+        self._drawn.append((id(ax), list(x), list(y), label))
+        return label
 
     def line(self, ax, key: str, label: Optional[str] = None, smooth: bool = False, **kw) -> bool:
         x, y = self.m.series(key)
@@ -132,8 +137,9 @@ class _Plotter:
         if not pts:
             return False
         xs, ys = [s for s, _ in pts], [v for _, v in pts]
-        label = self._same_as(ax, xs, ys, label, kw)
-        ax.plot(xs, _smooth(ys, self.window) if len(ys) > 2 * self.window else ys, label=label, **kw)
+        ys = _smooth(ys, self.window) if len(ys) > 2 * self.window else ys
+        label = self._same_as(ax, xs, ys, label, kw, rel=0.05)
+        ax.plot(xs, ys, label=label, **kw)
         ax.set_yscale("log")
         return True
 
