@@ -1,11 +1,11 @@
 """Known upstream warnings, one line instead of many.
 
-Importing Megatron-Core without Transformer Engine and Apex (every CPU machine) warns four times, once per
-module that falls back to its local kernels, and its dist-checkpointing warns on torch's ShardedTensor
-deprecation; each repeats in every Ray worker. They say nothing a user can act on, so the command line
-(:func:`install`) shows the first of each kind as one short line and drops the rest; any other warning is
-shown as usual. Worker processes (Ray actors, the engine server) inherit ``PYTHONWARNINGS`` entries that
-ignore them: the driver's line already said it.
+Importing Megatron-Core without Transformer Engine and Apex (every CPU machine) warns five times, once per
+module that falls back to its local kernels, its TransformerConfig about its own cuda_graph_scope default,
+and its dist-checkpointing on torch's ShardedTensor and load_state_dict deprecations; each repeats in every
+Ray worker. They say nothing a user can act on, so the command line (:func:`install`) replaces them all by
+one line, printed at the first; any other warning is shown as usual. Worker processes (Ray actors, the
+engine server) inherit ``PYTHONWARNINGS`` entries that ignore them.
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ import warnings
 from typing import Dict, Tuple
 
 # message prefix -> (category, the one line shown instead)
+_NO_TE = "Megatron-Core without Transformer Engine / Apex: its local (PyTorch) kernels are used"
+_DCP = "torch deprecates APIs Megatron-Core's dist-checkpointing uses (ShardedTensor, load_state_dict)"
 KNOWN: Dict[str, Tuple[type, str]] = {
-    "Transformer Engine and Apex are not installed": (
-        UserWarning, "Megatron-Core without Transformer Engine / Apex: its local (PyTorch) kernels are used"),
-    "Please use DTensor instead and we are deprecating ShardedTensor": (
-        FutureWarning, "torch deprecates ShardedTensor, which Megatron-Core's dist-checkpointing uses"),
+    "Transformer Engine and Apex are not installed": (UserWarning, _NO_TE),
+    "Apex is not installed": (UserWarning, _NO_TE),
+    "Please use DTensor instead and we are deprecating ShardedTensor": (FutureWarning, _DCP),
+    "`load_state_dict` is deprecated and will be removed": (FutureWarning, _DCP),
+    # Megatron-Core's own default (cuda_graph_scope "full") warns about itself; no CUDA graphs here
+    "full scope is deprecated": (UserWarning, "Megatron-Core warns about its own cuda_graph_scope default"),
 }
 _shown: set = set()
 
@@ -34,16 +38,17 @@ def known(message: str, category: type) -> str | None:
 
 
 def install() -> None:
-    """Show each known upstream warning kind once, as one line; pass every other warning through."""
+    """Replace the known upstream warnings by one line (at the first); pass every other warning through."""
     previous = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         note = known(str(message), category)
         if note is None:
             return previous(message, category, filename, lineno, file, line)
-        if note not in _shown:
-            _shown.add(note)
-            print(f"note: {note} (upstream warning, shown once)", file=sys.stderr)
+        if not _shown:  # one line for them all, on the first
+            print("note: known upstream warnings hidden (megatron_rl/upstream_warnings.py): "
+                  + "; ".join(dict.fromkeys(n for _, n in KNOWN.values())), file=sys.stderr)
+        _shown.add(note)
 
     warnings.showwarning = show
     for prefix, (cat, _) in KNOWN.items():
