@@ -24,7 +24,7 @@ from typing import Iterable, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.training import nan_guard
+from megatron_rl.training import fused_optim, nan_guard
 from megatron_rl.training.config import OptimConfig
 
 
@@ -56,6 +56,7 @@ def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):
         params_dtype=tconfig.params_dtype,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=not torch.cuda.is_available())
+    fused_optim.install(optimizer)  # no per-tensor loops and host syncs without TE / Apex
     if tconfig.fp16:
         tconfig.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling of the fp16 optimizer
     return ddp, optimizer
