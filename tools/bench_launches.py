@@ -8,7 +8,8 @@ a ``TorchDispatchMode`` (autograd's backward ops included) around one call after
 Model: Qwen3 shape, 4 layers, hidden 64 (4 heads x 16, 2 KV heads), FFN 96, vocab 250, random weights.
 Batch: N sequences of a 16-token prompt and a lognormal response (sigma 0.8, longest 96), packed under a
 4096-token micro-batch budget (train and forward), 1 process, 1 thread. Also times the step (median of
-``--steps``) with ``optim.nonfinite_weights`` = rollback and = stop: the NaN guard's overhead.
+``--steps``) and the NaN guard's pre-step check (``optim.nonfinite_weights=rollback``: the bound of
+:mod:`megatron_rl.training.nan_guard`, median of 50 calls) as a share of it.
 
   python tools/bench_launches.py                       # N = 32, 64, 128
   python tools/bench_launches.py --sizes 64 --steps 5
@@ -85,35 +86,38 @@ def _worker(path: str, sizes, steps: int):
     import torch.distributed as dist
 
     from megatron_rl import parallel
+    from megatron_rl.models import attention
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
+    from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig, nan_guard
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout())
     cfg = TrainConfig(max_tokens_per_micro_batch=BUDGET, forward_max_tokens_per_micro_batch=BUDGET)
-    trainers = {mode: PolicyTrainer(ModelConfig(hf_path=path), cfg, groups,
-                                    OptimConfig(lr=1e-6, nonfinite_weights=mode)) for mode in ("rollback", "stop")}
+    tr = PolicyTrainer(ModelConfig(hf_path=path), cfg, groups, OptimConfig(lr=1e-6, nonfinite_weights="rollback"))
     rows = []
     for n in sizes:
         batch = _batch(n)
-        tr = trainers["rollback"]
         tr.train_step(batch)  # warm-up
         tr.forward(batch)
-        train, fwd = _count(lambda: tr.train_step(batch)), _count(lambda: tr.forward(batch))
-        mbs = int(tr.train_step(batch).metrics.get("train/micro_batches", 1))
+        mbs = int(tr.train_step(batch).metrics["batch/micro_batches"])
         fwd_mbs = max(1, -(-int(batch.seq_lengths.sum()) // BUDGET))
-        row = {"sequences": n, "tokens": int(batch.seq_lengths.sum()), "micro_batches": mbs,
-               "train_ops": train.total, "forward_ops": fwd.total,
-               "train_ops_per_layer_mb": train.total / (LAYERS * mbs),
-               "forward_ops_per_layer_mb": fwd.total / (LAYERS * fwd_mbs),
-               "top_train_ops": dict(train.counts.most_common(8))}
+        row = {"sequences": n, "tokens": int(batch.seq_lengths.sum()), "micro_batches": mbs}
+        for impl in ("padded", "auto"):  # one call per layer (the GPU paths' structure); the CPU default
+            attention.PACKED_IMPL = impl
+            train, fwd = _count(lambda: tr.train_step(batch)), _count(lambda: tr.forward(batch))
+            row[impl] = {"train_ops": train.total, "forward_ops": fwd.total,
+                         "train_ops_per_layer_mb": train.total / (LAYERS * mbs),
+                         "forward_ops_per_layer_mb": fwd.total / (LAYERS * fwd_mbs),
+                         "top_train_ops": dict(train.counts.most_common(8))}
         if steps:
-            # rollback vs stop, in turns (the load on a shared machine drifts)
-            t = {m: [] for m in trainers}
-            for _ in range(steps):
-                for m, trainer in trainers.items():
-                    t[m].append(_timed(lambda: trainer.train_step(batch), 1))
-            row["step_s_rollback"] = statistics.median(t["rollback"])
-            row["step_s_stop"] = statistics.median(t["stop"])
+            params = list(tr.module.parameters())
+
+            def guard():
+                bound = float(nan_guard.max_abs_weight(tr.optimizer))
+                return nan_guard.step_cannot_overflow(tr.optimizer, bound, params)
+
+            assert guard(), "the NaN guard's bound should prove this step safe"
+            row["step_s"] = _timed(lambda: tr.train_step(batch), steps)
+            row["guard_s"] = _timed(guard, 50)
         rows.append(row)
     dist.barrier()
     return rows
@@ -129,19 +133,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_hf_checkpoint(tmp, "qwen3", num_hidden_layers=LAYERS, max_position_embeddings=256)
         rows = run_distributed(_worker, 1, path, args.sizes, args.steps, timeout_s=1800, threads_per_rank=1)[0]
-    print("| sequences | tokens | micro-batches | train ops | ops / layer x mb | forward ops | fwd ops / layer x mb |"
-          " step (rollback) | step (stop) | guard overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| sequences | tokens | micro-batches | attention | train ops | ops / layer x mb | forward ops | "
+          "fwd ops / layer x mb |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        timing = " | | |"
-        if "step_s_rollback" in r:
-            over = r["step_s_rollback"] / r["step_s_stop"] - 1
-            timing = f" {r['step_s_rollback'] * 1e3:.0f} ms | {r['step_s_stop'] * 1e3:.0f} ms | {over:+.1%} |"
-        print(f"| {r['sequences']} | {r['tokens']} | {r['micro_batches']} | {r['train_ops']} | "
-              f"{r['train_ops_per_layer_mb']:.0f} | {r['forward_ops']} | {r['forward_ops_per_layer_mb']:.0f} |" + timing)
+        for impl, what in (("padded", "one call / layer"), ("auto", "CPU default (per length)")):
+            c = r[impl]
+            print(f"| {r['sequences']} | {r['tokens']} | {r['micro_batches']} | {what} | {c['train_ops']} | "
+                  f"{c['train_ops_per_layer_mb']:.0f} | {c['forward_ops']} | {c['forward_ops_per_layer_mb']:.0f} |")
+    print("\n| sequences | train step (CPU default) | NaN guard check | guard / step |\n|---|---|---|---|")
+    for r in rows:
+        if "step_s" in r:
+            print(f"| {r['sequences']} | {r['step_s'] * 1e3:.0f} ms | {r['guard_s'] * 1e3:.3f} ms | "
+                  f"{r['guard_s'] / r['step_s']:.2%} |")
     by_n = {r["sequences"]: r for r in rows}
     if 32 in by_n and 64 in by_n:
-        print(f"train ops 64 / 32 sequences: {by_n[64]['train_ops'] / by_n[32]['train_ops']:.3f}")
+        for impl in ("padded", "auto"):
+            print(f"train ops 64 / 32 sequences ({impl}): {by_n[64][impl]['train_ops'] / by_n[32][impl]['train_ops']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"label": args.label, "layers": LAYERS, "budget": BUDGET, "rows": rows}, indent=1))

@@ -5,15 +5,19 @@ and reused by every layer. Three implementations, :func:`choose_impl` picks by d
 
 * ``varlen`` (CUDA, no CP, bf16/fp16, no dropout): ``torch.nn.attention.varlen.varlen_attn`` — flash
   attention over the stream with ``cu_seqlens``, causal, GQA; no gather at all.
-* ``padded`` (everywhere else, the CPU default): the local rows gathered into ``[n, L_max/cp]`` queries and
+* ``padded`` (CUDA under CP, in float32 or with dropout): the local rows gathered into ``[n, L_max/cp]`` queries and
   ``[n, L_max]`` keys with one index each, one causal SDPA (CP: a mask of each local row's global
   position), one index back. Padding rows point at row 0 (finite values); no real query attends to a
   padding key (causal within a segment), and padding queries are dropped, so their gradients are exact
   zeros. Cost ``n·L_max²`` scores instead of ``Σ L_i²``.
+* ``per_length`` (the CPU default): one SDPA per distinct segment length, the segments of that length
+  batched. Each segment is computed exactly as alone, so its result does not depend on its neighbours
+  (bitwise; the padded path's reduction lengths follow ``L_max``), and no score is wasted on padding; on
+  CPU, where a call costs no launch, that is what counts (README "Performance").
 * ``block_diagonal`` (comparison only): one SDPA over the stream with a block-diagonal causal mask, ``O(T²)``.
 
-Measured on CPU (tools/bench_launches.py, README "Performance"): ``padded`` dispatches a fixed number of
-ops per layer, where the former per-length grouping grew with the number of distinct lengths.
+tools/bench_launches.py counts the ops of both: ``padded`` (the GPU paths' one call per layer) dispatches
+a fixed number per layer; ``per_length`` grows with the number of distinct lengths.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Optional
 
 import torch
 
-IMPLS = ("auto", "padded", "varlen", "block_diagonal")
+IMPLS = ("auto", "padded", "varlen", "per_length", "block_diagonal")
 
 
 def zigzag_rows(lengths: torch.Tensor, rows: torch.Tensor, cp: int, rank) -> torch.Tensor:
@@ -76,6 +80,28 @@ class PackedPlan:
             kv_index = to_stream[kv_index]
             self.to_stream = to_stream
         self.kv_index = kv_index
+        self._groups = None
+
+    def length_groups(self):
+        """``per_length``: per distinct segment length ``L`` (a loop over lengths, not sequences; CPU only),
+        ``(q_index [m, L/cp], kv_index [m, L], mask or None)``, and the permutation back to stream order."""
+        if self._groups is None:
+            dev, cp = self.lengths.device, self.cp
+            groups = []
+            for length in torch.unique(self.lengths[self.lengths > 0]).tolist():
+                segs = torch.nonzero(self.lengths == length).squeeze(1)
+                start = self.starts[segs][:, None]
+                rows = torch.arange(length // cp, device=dev)
+                kv_index = start + torch.arange(length, device=dev)
+                mask = None
+                if cp > 1:
+                    kv_index = self.to_stream[kv_index]
+                    pos = zigzag_rows(torch.tensor([[length]], device=dev), rows[None], cp, self.rank)[0]
+                    mask = torch.arange(length, device=dev)[None, :] <= pos[:, None]
+                groups.append((start // cp + rows, kv_index, mask))
+            inverse = torch.argsort(torch.cat([q.reshape(-1) for q, _, _ in groups]))
+            self._groups = (groups, inverse)
+        return self._groups
 
     def block_diagonal_mask(self) -> torch.Tensor:
         """``[t_local, T]`` boolean mask (True = attend) over the stream: same segment, not in the future."""
@@ -107,6 +133,8 @@ def choose_impl(requested: str, query: torch.Tensor, cp: int, dropout: float) ->
         raise ValueError(f"attention.PACKED_IMPL={requested!r}: expected one of {IMPLS}")
     if requested != "auto":
         return requested
+    if not query.is_cuda:
+        return "per_length"
     if (query.is_cuda and cp == 1 and dropout == 0.0 and query.dtype in (torch.bfloat16, torch.float16)
             and _varlen() is not None):
         return "varlen"
@@ -135,6 +163,11 @@ def packed_attention(impl: str, q, k, v, plan: PackedPlan, scale: float, dropout
         out = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                    plan.block_diagonal_mask(), False, dropout)
         return out[0].transpose(0, 1)
+    if impl == "per_length":
+        groups, inverse = plan.length_groups()
+        parts = [sdpa(q[qi].transpose(1, 2), k[ki].transpose(1, 2), v[ki].transpose(1, 2), mask, mask is None,
+                      dropout).transpose(1, 2).reshape(-1, heads, hn) for qi, ki, mask in groups]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[inverse]
     # padded: [n, lq, heads, hn] -> [n, heads, lq, hn]
     qp = q[plan.q_index].transpose(1, 2)
     kp, vp = (x[plan.kv_index].transpose(1, 2) for x in (k, v))

@@ -41,7 +41,9 @@ def max_abs_weight(optimizer) -> torch.Tensor:
     if not params:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(params, float("inf"))
-    return torch.stack([n.to(torch.float64) for n in norms]).max() if len(norms) > 1 else norms[0].double()
+    if len({n.dtype for n in norms}) > 1:
+        norms = [n.float() for n in norms]
+    return torch.stack(norms).max().double()
 
 
 def adam_update_bound(beta1: float, beta2: float) -> float:

@@ -22,7 +22,7 @@ def _core():
     return core
 
 
-@pytest.mark.parametrize("impl", ["auto", "padded", "block_diagonal"])
+@pytest.mark.parametrize("impl", ["auto", "padded", "per_length", "block_diagonal"])
 def test_packed_attention_equals_each_sequence_alone(impl, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -60,7 +60,7 @@ def _per_sequence(q, k, v, bounds, scale):
     return torch.cat(ref)
 
 
-@pytest.mark.parametrize("impl", ["padded", "block_diagonal"])
+@pytest.mark.parametrize("impl", ["padded", "per_length", "block_diagonal"])
 @pytest.mark.parametrize("cp, rank", [(2, 0), (2, 1), (3, 2)])
 def test_packed_attention_on_a_cp_rank_equals_each_sequence_alone(impl, cp, rank):
     """A CP rank's zigzag rows attend to the right keys of the all-gathered (rank-order) stream: values and
@@ -100,10 +100,10 @@ def test_packed_impl_is_chosen_by_device():
     from megatron_rl.models import packed_attention as pa
 
     x = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
-    assert pa.choose_impl("auto", x, 1, 0.0) == "padded"  # CPU: one padded SDPA
+    assert pa.choose_impl("auto", x, 1, 0.0) == "per_length"  # CPU: per distinct length, neighbour-independent
     assert pa.choose_impl("block_diagonal", x, 1, 0.0) == "block_diagonal"
     with pytest.raises(ValueError, match="PACKED_IMPL"):
-        pa.choose_impl("per_length", x, 1, 0.0)
+        pa.choose_impl("per_sequence", x, 1, 0.0)
 
 
 @pytest.mark.parametrize("cp, rank", [(1, 0), (2, 0), (2, 1), (3, 2)])
