@@ -8,10 +8,11 @@ with ``qkv_format='thd'``), ``[t, np, hn]`` with the sequences back to back and 
 
 * Padded: causal SDPA (right padding is harmless under a causal mask) or Megatron's boolean mask
   (``True`` = masked out).
-* Packed: one attention call per layer whatever the number of sequences (``cu_seqlens_*_padded`` when
-  given: the segments the stream is cut into), so attention never crosses a boundary: varlen flash
-  attention on CUDA, one padded causal SDPA elsewhere (:mod:`megatron_rl.models.packed_attention`;
-  ``PACKED_IMPL`` overrides the choice, e.g. the ``O(T²)`` block-diagonal mask in ``tools/bench_train.py``).
+* Packed (``cu_seqlens_*_padded`` when given: the segments the stream is cut into), attention never
+  crossing a boundary: on CUDA one call per layer whatever the number of sequences (varlen flash
+  attention; one padded causal SDPA under CP, in float32 or with dropout), on CPU one SDPA per distinct
+  length (:mod:`megatron_rl.models.packed_attention`; ``PACKED_IMPL`` overrides the choice by device, e.g.
+  the ``O(T²)`` block-diagonal mask in ``tools/bench_train.py``).
 * Context parallelism (CP > 1): the local tokens are Megatron's zigzag chunks (chunks ``r`` and
   ``2·CP−1−r`` of ``2·CP``: of the padded sequence axis, or of each packed sequence). K/V are
   all-gathered over the CP group (its backward sums the K/V gradients of every rank's queries and
