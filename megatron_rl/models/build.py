@@ -153,6 +153,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool 
     from megatron_rl.models.spec import decoder_block_spec
 
     compat.apply()
+    compat.vectorise_thd_rope()  # also on CUDA: no per-sequence loop on the model path
     arch = load_arch(cfg.hf_path)
     # Loading overwrites every parameter: skip the (slow, full-size on CPU) random initialisation.
     tconfig = transformer_config(cfg, arch, groups.layout, initialize=not load_weights)
