@@ -7,7 +7,7 @@ On CPU every tensor already sits where the model is, so a tensor that was never 
 * ``device``: the model's parameters, buffers and ``main_grad`` views (:meth:`DeviceGuard.place`), what
   ``.to(dev)`` / ``.cuda()`` / a factory with ``device=dev`` make, and every op output with a device input.
   ``dev`` is the guard's stand-in device ``cpu:0`` (still the CPU, so everything computes); the guard
-  makes ``megatron_rl.parallel.device()`` return it and a device tensor's ``.device`` report it, so code
+  makes ``megatron_rl.parallel.device()`` and ``torch.cuda.current_device()`` return it and a device tensor's ``.device`` report it, so code
   that names its device the usual ways (``parallel.device()``, ``x.device``, ``p.device``) gets it.
 * ``host``: factories without ``device=`` (or with ``cpu``), ``.cpu()`` / ``.to("cpu")``, tensors marked
   with :meth:`DeviceGuard.host` (a batch the driver built), and op outputs whose inputs are host only.
@@ -89,11 +89,14 @@ class DeviceGuard(TorchFunctionMode):
 
     # -- marking --------------------------------------------------------------------------------------
     def place(self, *objs) -> None:
-        """Tag modules' parameters, buffers and ``main_grad`` views, and loose tensors, as device tensors."""
+        """Tag modules' parameters, buffers, ``main_grad`` views and tensor attributes, and loose tensors,
+        as device tensors."""
         for obj in objs:
             if isinstance(obj, torch.nn.Module):
                 tensors = list(obj.parameters()) + list(obj.buffers())
                 tensors += [p.main_grad for p in obj.parameters() if getattr(p, "main_grad", None) is not None]
+                # plain tensor attributes (RoPE's inv_freq): Megatron makes them on the current CUDA device
+                tensors += [v for m in obj.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
                 _set(tensors, "device")
             else:
                 _set(tree_flatten(obj)[0], "device")
@@ -118,9 +121,11 @@ class DeviceGuard(TorchFunctionMode):
         from megatron_rl import parallel
 
         self._patched = [(torch.Tensor, "device", torch.Tensor.__dict__.get("device")),
-                         (parallel, "device", parallel.device)]
+                         (parallel, "device", parallel.device),
+                         (torch.cuda, "current_device", torch.cuda.current_device)]
         torch.Tensor.device = property(_device_property)
         parallel.device = lambda: DEVICE
+        torch.cuda.current_device = lambda: DEVICE  # where Megatron allocates (RoPE, buffers): compat.py
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -141,6 +146,9 @@ class DeviceGuard(TorchFunctionMode):
             return out
         if func is torch.Tensor.to:
             return self._to(args, kwargs)
+        if func is torch.Tensor.type or getattr(func, "__name__", "") in ("type", "_cuda_type_names"):
+            # compat.py swaps Tensor.type for a query that calls the real one: answer with the real one
+            return torch._C.TensorBase.type(*args, **kwargs)
         out = func(*args, **kwargs)
         if func is torch.Tensor.cpu or func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy):
             _set(tree_flatten(out)[0], "host")
