@@ -59,7 +59,17 @@ def _set(tensors: Iterable, tag: str) -> None:
 
 
 def _device_property(self):
-    return DEVICE if getattr(self, _TAG, None) == "device" else _ORIGINAL_DEVICE.__get__(self)
+    if getattr(self, _TAG, None) == "device":
+        return DEVICE
+    if type(self) in (torch.Tensor, torch.nn.Parameter):
+        return _ORIGINAL_DEVICE.__get__(self)
+    # subclasses with their own __torch_function__ (ShardedTensor) key their handlers on the original getter
+    patched = torch.Tensor.__dict__["device"]
+    del torch.Tensor.device
+    try:
+        return self.device
+    finally:
+        torch.Tensor.device = patched
 
 
 def _names_device(d) -> bool:
@@ -89,10 +99,17 @@ class DeviceGuard(TorchFunctionMode):
 
     # -- marking --------------------------------------------------------------------------------------
     def place(self, *objs) -> None:
-        """Tag modules' parameters, buffers, ``main_grad`` views and tensor attributes, and loose tensors,
-        as device tensors."""
+        """Tag as device tensors: modules' parameters, buffers, ``main_grad`` views and tensor attributes;
+        optimizers' (torch, Megatron) parameters (the main fp32 copies) and state; loose tensors."""
         for obj in objs:
-            if isinstance(obj, torch.nn.Module):
+            inner = getattr(obj, "chained_optimizers", None) or [obj]
+            if any(hasattr(o, "optimizer") or hasattr(o, "param_groups") for o in inner) and \
+                    not isinstance(obj, torch.nn.Module):  # Megatron's / torch's optimizers: params + state
+                for o in inner:
+                    o = getattr(o, "optimizer", o)
+                    _set([p for g in o.param_groups for p in g["params"]], "device")
+                    _set([v for st in o.state.values() for v in st.values()], "device")
+            elif isinstance(obj, torch.nn.Module):
                 tensors = list(obj.parameters()) + list(obj.buffers())
                 tensors += [p.main_grad for p in obj.parameters() if getattr(p, "main_grad", None) is not None]
                 # plain tensor attributes (RoPE's inv_freq): Megatron makes them on the current CUDA device
@@ -107,6 +124,14 @@ class DeviceGuard(TorchFunctionMode):
             leaves = tree_flatten(vars(obj) if hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor)
                                   else obj)[0]
             _set(leaves, "host")
+
+    def place_trainer(self, trainer) -> None:
+        """A ``PolicyTrainer``'s model, optimizer and reference model, as a trainer built on CUDA has them."""
+        self.place(trainer.module)
+        if trainer.optimizer is not None:
+            self.place(trainer.optimizer)
+        if getattr(trainer, "ref", None) is not None:
+            self.place(trainer.ref.module)
 
     @staticmethod
     def is_device(t) -> bool:

@@ -42,7 +42,7 @@ def _child(dense, moe):
         trainer = PolicyTrainer(ModelConfig(hf_path=path), TrainConfig(objective=decoupled, **tc), groups,
                                 OptimConfig(lr=1e-3, clip_grad=1.0))
         with DeviceGuard() as guard:
-            guard.place(trainer.module)
+            guard.place_trainer(trainer)
             batch = th.make_batch(batch_size=8, seed=2, **bkw).replace(old_logprobs=None)
             guard.host(batch)
             fwd = trainer.forward(batch)
