@@ -1,7 +1,8 @@
 """Weight sync and checkpoints under the CPU placement guard (tests/device_guard.py), one rank (gloo):
 the trainer's and the embedded engine's tensors are device tensors, as on one GPU. A sync after a train
-step passes the probe check; a checkpoint saved after one step and loaded into a fresh trainer gives the
-next step's loss and grad norm of the uninterrupted run (bitwise: same process, same kernels)."""
+step passes the probe check; a checkpoint saved after one step (then exported to HF, and the optimizer
+offloaded and reloaded) and loaded into a fresh trainer gives the next steps' losses and grad norms of the
+uninterrupted run (bitwise: same process, same kernels)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def _child(path, root):
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
+    from megatron_rl.models.weights import save_hf_checkpoint
     from megatron_rl.training import checkpoint as ck
+    from megatron_rl.training.offload import TrainerOffload
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout())
     batches = [th.make_batch(batch_size=4, seed=s) for s in (20, 21, 22)]
@@ -48,6 +51,10 @@ def _child(path, root):
         sync = WeightSync(tr.built, engine, WeightSyncConfig(bucket_mb=0.03, progress=False))
         out["sync"] = sync.sync(version=1).check.max_abs_diff
         ck.save_checkpoint(tr, cfg)
+        save_hf_checkpoint(tr.built, os.path.join(root, "hf"), src_dir=path)  # export
+        offload = TrainerOffload(tr.ddp, tr.optimizer, tr.module)  # a colocated trainer's round trip
+        offload.offload()
+        offload.reload()
         out["uninterrupted"] = [(r.loss, r.grad_norm) for r in (tr.train_step(b) for b in batches[1:])]
         ck.load_checkpoint(fresh, cfg.root)
         out["resumed"] = [(r.loss, r.grad_norm) for r in (fresh.train_step(b) for b in batches[1:])]
