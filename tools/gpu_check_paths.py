@@ -85,7 +85,7 @@ def _batch(ctx, vocab: int, n: int, longest: int, seed: int = 0, moe=None):
     return batch.replace(advantages=torch.randn(B, R, generator=g), rollout_logprobs=rollout)
 
 
-def _trainer(ctx, path: str, groups, lr: float = 1e-5, dtype=None, **train_kw):
+def _trainer(ctx, path: str, groups, lr: float, dtype=None, **train_kw):
     from megatron_rl.models.config import ModelConfig
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
 
@@ -120,7 +120,8 @@ def section_trainer(ctx) -> dict:
     out = {"matmul_tflops_measured": peak / 1e12}
     for name, (kind, tc) in variants.items():
         _free(ctx)
-        tr = _trainer(ctx, _checkpoint(ctx, kind), groups, **tc)
+        # lr 1e-3: Adam's first step moves a weight by ~lr, which must exceed a bf16 ulp for the loss to move
+        tr = _trainer(ctx, _checkpoint(ctx, kind), groups, lr=1e-3, **tc)
         arch = tr.built.arch
         moe = None
         if kind == "moe":
