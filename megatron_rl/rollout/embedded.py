@@ -39,7 +39,7 @@ from megatron_rl.rollout.protocol import (
     LOGPROB_MODES, EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample,
 )
 from megatron_rl.rollout.routing import RoutingRecorder
-from megatron_rl.rollout.sampling import RowParams, derive_seed, make_generator, sample_next
+from megatron_rl.rollout.sampling import derive_seed, make_generator, sample_next
 from megatron_rl.rollout.weight_versions import compute_spans, record_event
 
 
