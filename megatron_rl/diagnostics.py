@@ -57,8 +57,8 @@ class DiagnosticsConfig:
 def _group_mean(values: Tensor, group_ids: Tensor, weights: Tensor) -> Tensor:
     g = torch.unique(torch.as_tensor(group_ids), return_inverse=True)[1].to(values.device)
     n = int(g.max()) + 1 if g.numel() else 0
-    num = torch.zeros(n, dtype=values.dtype).index_add_(0, g, weights * values)
-    den = torch.zeros(n, dtype=values.dtype).index_add_(0, g, weights)
+    num = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, g, weights * values)
+    den = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, g, weights)
     return (num / den.clamp(min=1e-300))[g]
 
 

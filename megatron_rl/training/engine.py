@@ -33,6 +33,7 @@ from megatron_rl.models.build import BuiltModel, build_model, load_arch
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig, ReduceGroups, step_normalizer
 from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response_length
+from megatron_rl import parallel
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.routing.trainer import TrainerRouting
 from megatron_rl.schedules import LRSchedule, set_lr
@@ -42,6 +43,7 @@ from megatron_rl.training.config import OptimConfig, TrainConfig
 from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_groups, packed_lengths, stream_multiple
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches
+from megatron_rl.training.placement import micro_batches_to
 from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics
 from megatron_rl.training.schedule import WorkModel, imbalance, pack
 
@@ -264,6 +266,7 @@ class PolicyTrainer:
             groups = fixed_size_groups(batch, cfg.micro_batch_size, cfg.group_by_length)
         mbs = build_micro_batches(batch, groups, pad_multiple=self._pad_multiple, same_length=self._same_length,
                                   packed=cfg.packing, cp_size=lay.cp, cp_rank=self.groups.cp_rank)
+        mbs = micro_batches_to(mbs, parallel.device())  # built on the host; every pass computes on the device
         return mbs, self._batch_metrics(mbs, sum(work), "batch/forward_" if forward_only else "batch/")
 
     def _batch_metrics(self, mbs: List[MicroBatch], work: float, prefix: str) -> Dict[str, float]:
@@ -376,20 +379,19 @@ class PolicyTrainer:
     def _assemble(self, batch: TrainBatch, mbs: List[MicroBatch], payloads) -> ForwardResult:
         keys = self._result_keys()
         B, R = batch.response_mask.shape
-        buf = torch.zeros(len(keys), B, R, dtype=torch.float32)
+        buf = torch.zeros(len(keys), B, R, dtype=torch.float32, device=parallel.device())
         for mb, stats in zip(mbs, payloads):
             r = mb.response_mask.shape[1]
             for i, key in enumerate(keys):  # this rank's tokens only (under CP, the others score the rest)
-                buf[i, mb.rows, :r] = torch.where(mb.response_mask, stats[key].float().cpu(), 0.0)
-        buf = torch.where(batch.response_mask, buf, torch.zeros((), dtype=buf.dtype))
+                buf[i, mb.rows, :r] = torch.where(mb.response_mask, stats[key].float(), 0.0)
+        buf = torch.where(batch.response_mask.to(buf.device), buf, torch.zeros((), dtype=buf.dtype))
         if self.groups.layout.cp > 1 and self.built.post_process:  # CP ranks filled disjoint tokens
             self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.cp)
         pp = self.groups.layout.pp
         if pp > 1:  # the last stage computed it: give it to every stage of the replica
             src = dist.get_global_rank(self.groups.pp, pp - 1)
-            moved = buf.cuda() if dist.get_backend(self.groups.pp) == "nccl" else buf
-            dist.broadcast(moved, src=src, group=self.groups.pp)
-            buf = moved.cpu()
+            dist.broadcast(buf, src=src, group=self.groups.pp)
+        buf = buf.cpu()  # the driver's side: one copy back
         fields = dict(zip(keys, buf))
         if "target_kept" in fields:
             fields["target_kept"] = fields["target_kept"] > 0.5
