@@ -444,7 +444,6 @@ def _vectorised_thd_rope() -> None:
 
     if getattr(rope_utils._apply_rotary_pos_emb_thd, "_megatron_rl_compat", False):
         return
-    bshd = rope_utils._apply_rotary_pos_emb_bshd
     last: List[Any] = [None, None, None]  # (cu_seqlens object, key, positions): q and k of every layer share it
 
     def positions(cu_seqlens, n: int, size: int, rank: int, stream_freqs: bool, device, table: int) -> torch.Tensor:
@@ -476,6 +475,8 @@ def _vectorised_thd_rope() -> None:
             stream_freqs = freqs.size(0) == int(cu_seqlens[-1])
         pos = positions(cu_seqlens, t.shape[0], cp_group.size(), cp_group.rank(), stream_freqs, t.device,
                         freqs.size(0))
+        # looked up per call: models.fused_layer.install_rope may route it through its compiled copy
+        bshd = rope_utils._apply_rotary_pos_emb_bshd
         return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
                     multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 

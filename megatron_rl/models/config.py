@@ -39,6 +39,10 @@ class ModelConfig:
     # "auto": Transformer Engine spec when TE is importable and CUDA is present, else "local"
     # (portable torch spec: Megatron linears + SDPA attention + RMSNorm).
     layer_spec: Literal["auto", "te", "local"] = "auto"
+    # Local spec: RMSNorm, SwiGLU, RoPE and residual adds each one torch.compile'd kernel
+    # (models/fused_layer.py). "auto": on with CUDA (launch-bound there), off on CPU (no launches to save,
+    # and inductor's C++ compile is slow); "on" / "off" force it. Same values and gradients either way.
+    fused_elementwise: Literal["auto", "on", "off"] = "auto"
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     # Build MoE routers with Megatron's RouterReplay (needed by models.router record/replay).
     routing_replay: bool = True
@@ -55,6 +59,9 @@ class ModelConfig:
             raise ValueError(f"model.dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
         if self.layer_spec not in ("auto", "te", "local"):
             raise ValueError(f"model.layer_spec={self.layer_spec!r}: expected 'auto', 'te' or 'local'")
+        if self.fused_elementwise not in ("auto", "on", "off"):
+            raise ValueError(f"model.fused_elementwise={self.fused_elementwise!r}: expected 'auto', 'on' or 'off' "
+                             "(auto: on with CUDA, off on CPU)")
         if self.moe_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(
                 f"model.moe_dispatcher={self.moe_dispatcher!r}: expected 'alltoall' or 'allgather'"

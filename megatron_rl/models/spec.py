@@ -51,8 +51,9 @@ def resolve_layer_spec(choice: str) -> str:
     return choice
 
 
-def _local_layer_spec(num_experts: int, qk_norm: bool):
-    """One layer: dense MLP when ``num_experts == 0``, else Megatron's MoE layer (SequentialMLP)."""
+def _local_layer_spec(num_experts: int, qk_norm: bool, fused: bool = False):
+    """One layer: dense MLP when ``num_experts == 0``, else Megatron's MoE layer (SequentialMLP);
+    ``fused``: norms, SwiGLU and residual adds compiled (:mod:`megatron_rl.models.fused_layer`)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -64,12 +65,17 @@ def _local_layer_spec(num_experts: int, qk_norm: bool):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+    from megatron_rl.models import fused_layer
+
+    norm, mlp_cls, bda = RMSNorm, MLP, get_bias_dropout_add
+    if fused:
+        norm, mlp_cls, bda = fused_layer.FusedRMSNorm, fused_layer.FusedMLP, fused_layer.fused_bias_dropout_add
     moe = num_experts > 0
     if moe:
         mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
     else:
         mlp = ModuleSpec(
-            module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+            module=mlp_cls, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
         )
     # Same checkpoint keys as the TE spec, where these norms are fused into the next linear.
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
@@ -78,7 +84,7 @@ def _local_layer_spec(num_experts: int, qk_norm: bool):
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -86,14 +92,14 @@ def _local_layer_spec(num_experts: int, qk_norm: bool):
                     linear_qkv=ColumnParallelLinear,
                     core_attention=SDPACoreAttention,
                     linear_proj=RowParallelLinear,
-                    q_layernorm=RMSNorm if qk_norm else IdentityOp,
-                    k_layernorm=RMSNorm if qk_norm else IdentityOp,
+                    q_layernorm=norm if qk_norm else IdentityOp,
+                    k_layernorm=norm if qk_norm else IdentityOp,
                 ),
             ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            self_attn_bda=bda,
+            pre_mlp_layernorm=norm,
             mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
+            mlp_bda=bda,
             sharded_state_dict_keys_map=keys_map,
         ),
     )
@@ -115,7 +121,12 @@ def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
         raise ValueError("model.moe_grouped_gemm needs the TE layer spec (the local spec runs experts one by one)")
     experts = tconfig.num_moe_experts or 0
     pattern = tconfig.moe_layer_freq if experts else [0] * tconfig.num_layers
-    specs: List = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm) for is_moe in pattern]
+    from megatron_rl.models import fused_layer
+
+    fused = fused_layer.resolve(cfg.fused_elementwise, torch.cuda.is_available())
+    fused_layer.install_rope(fused)  # RoPE is applied inside Megatron's attention: process-wide
+    specs: List = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm, fused) for is_moe in pattern]
     offset = get_transformer_layer_offset(tconfig, pp_rank=pp_rank)
     count = get_num_layers_to_build(tconfig, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)
+    final_norm = fused_layer.FusedRMSNorm if fused else RMSNorm
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=final_norm)
