@@ -11,6 +11,11 @@ H100/H200 dense bf16). Each shape runs in its own process (clean memory); an out
   python tools/gpu_throughput.py                   # 0.6B, 1.7B, 4B on the GPU; JSON to $OUT or bench_results/
   python tools/gpu_throughput.py --shapes 0.6B --steps 2
   python tools/gpu_throughput.py --cpu             # a tiny shape on CPU, float32, gloo (checks the script runs)
+
+Baseline row (``--hf-shapes``, default 0.6B; tiny with --cpu): HF transformers' Qwen3ForCausalLM (SDPA,
+bf16, torch AdamW fused) with a PPO-clip loss on the same batch, padded micro-batches of 4 sequences sorted
+by length, token-mean over the step, grad clip 1.0 -- the issue's comparison. Out of memory: the row says so.
+Verdicts printed under the table: 0.6B >= 2x the HF row's tokens/s, 1.7B >= 40 % MFU, 4B fits in memory.
 """
 
 from __future__ import annotations
@@ -110,6 +115,85 @@ def _worker(path: str, name: str, w: dict, steps: int, cpu: bool, peak_tflops: f
     return row
 
 
+def _hf_worker(path: str, name: str, w: dict, steps: int, cpu: bool, peak_tflops: float):
+    """The HF transformers + PPO-clip baseline on the same batch (see the module docstring)."""
+    import transformers
+
+    row = {"shape": name, "run": "hf"}
+    dev = torch.device("cpu" if cpu else "cuda", 0 if not cpu else None)
+    try:
+        dtype = torch.float32 if cpu else torch.bfloat16
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config.from_pretrained(
+            path, attn_implementation="sdpa")).to(device=dev, dtype=dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=not cpu)
+        batch = _batch(w, SHAPES[name]["vocab_size"])
+        order = torch.argsort(batch.seq_lengths, descending=True)
+        tokens_in_loss = float(batch.response_mask.sum())
+
+        def step():
+            for mb in order.split(4):
+                longest = int(batch.seq_lengths[mb].max())
+                resp = int(batch.response_lengths[mb].max())
+                ids = batch.input_ids[mb, :longest].to(dev)  # right-padded rows; causal: padding is harmless
+                mask = batch.response_mask[mb, :resp].to(dev)
+                old = batch.old_logprobs[mb, :resp].to(dev)
+                adv = batch.advantages[mb, :resp].to(dev)  # per token
+                # response token j of row i is predicted at position P_i - 1 + j
+                pos = (batch.prompt_lengths[mb].to(dev)[:, None] - 1 + torch.arange(resp, device=dev)).clamp(
+                    max=longest - 2)
+                rows = torch.arange(len(mb), device=dev)[:, None]
+                logits = model(input_ids=ids).logits[rows, pos].float()
+                lp = logits.gather(-1, ids[rows, pos + 1][..., None])[..., 0] - torch.logsumexp(logits, -1)
+                ratio = torch.exp(lp - old)
+                loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+                ((loss * mask).sum() / tokens_in_loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # warm-up
+        if not cpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            if not cpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        params = sum(p.numel() for p in model.parameters())
+        tokens, dt = int(batch.seq_lengths.sum()), statistics.median(times)
+        row.update(params=params, tokens=tokens, step_s=dt, tokens_per_s=tokens / dt,
+                   mfu=_flops(SHAPES[name], params, batch.seq_lengths) / dt / (peak_tflops * 1e12),
+                   peak_gib=None if cpu else torch.cuda.max_memory_allocated() / 2**30)
+    except torch.cuda.OutOfMemoryError as e:
+        row["error"] = f"out of memory (HF baseline does not fit): {str(e).splitlines()[0][:200]}"
+    return row
+
+
+def _verdicts(rows, device: str) -> list:
+    """The issue's GPU targets, each ``(target, verdict)``; n/a when a row is missing or failed."""
+    ours = {r["shape"]: r for r in rows if r.get("run", "ours") == "ours"}
+    hf = {r["shape"]: r for r in rows if r.get("run") == "hf"}
+    out = []
+    a, b = ours.get("0.6B"), hf.get("0.6B")
+    if a and b and "error" not in a and "error" not in b:
+        x = a["tokens_per_s"] / b["tokens_per_s"]
+        out.append(("0.6B >= 2x HF + PPO-clip tokens/s", f"{x:.2f}x: {'PASS' if x >= 2 else 'FAIL'}"))
+    elif a and "error" not in a and b:
+        out.append(("0.6B >= 2x HF + PPO-clip tokens/s", f"HF row failed ({b['error'][:60]}): PASS by default"))
+    else:
+        out.append(("0.6B >= 2x HF + PPO-clip tokens/s", "n/a (a row is missing or failed)"))
+    r = ours.get("1.7B")
+    out.append(("1.7B >= 40 % MFU", "n/a" if not r or "error" in r else
+                f"{r['mfu']:.1%}: {'PASS' if r['mfu'] >= 0.40 else 'FAIL'}"))
+    r = ours.get("4B")
+    out.append((f"4B trains on one GPU ({device})", "n/a" if not r else
+                ("FAIL: " + r["error"][:80]) if "error" in r else f"PASS ({r.get('peak_gib') or 0:.1f} GiB peak)"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="tiny shape on CPU (the script runs; no figures)")
@@ -117,35 +201,49 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per shape")
+    ap.add_argument("--hf-shapes", nargs="*", default=None,
+                    help="shapes that also get the HF + PPO-clip baseline row (default 0.6B; --cpu: tiny)")
     args = ap.parse_args()
     cpu = args.cpu or not torch.cuda.is_available()
     shapes = args.shapes or (["tiny"] if cpu else ["0.6B", "1.7B", "4B"])
+    hf_shapes = args.hf_shapes if args.hf_shapes is not None else (["tiny"] if cpu else ["0.6B"])
     w = CPU_WORKLOAD if cpu else WORKLOAD
     rows = []
-    for name in shapes:
+    runs = [(n, "ours") for n in shapes] + [(n, "hf") for n in hf_shapes]
+    for name, run in runs:
         if name not in SHAPES:
-            raise SystemExit(f"--shapes {name}: expected one of {sorted(SHAPES)}")
+            raise SystemExit(f"--shapes/--hf-shapes {name}: expected one of {sorted(SHAPES)}")
         with tempfile.TemporaryDirectory() as tmp:
             path = _config(tmp, SHAPES[name], max(256, w["longest"]))
             try:
-                rows += run_distributed(_worker, 1, path, name, w, args.steps, cpu, args.peak_tflops,
-                                        timeout_s=args.timeout_s, backend="gloo" if cpu else "nccl")
+                rows += run_distributed(_worker if run == "ours" else _hf_worker, 1, path, name, w, args.steps,
+                                        cpu, args.peak_tflops, timeout_s=args.timeout_s,
+                                        backend="gloo" if cpu else "nccl")
             except Exception as e:  # noqa: BLE001 - one shape's failure is its row; the others still run
-                rows.append({"shape": name, "error": str(e).strip().splitlines()[-1][:300]})
+                rows.append({"shape": name, "run": run, "error": str(e).strip().splitlines()[-1][:300]})
+        rows[-1].setdefault("run", run)
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n| shape | step | tokens/s | MFU ({args.peak_tflops:.0f} TF/s peak) | peak memory |\n|---|---|---|---|---|")
+    print(f"\n| shape | run | step | tokens/s | MFU ({args.peak_tflops:.0f} TF/s peak) | peak memory |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
+        run = "ours" if r["run"] == "ours" else "HF + PPO-clip, padded x4"
         if "error" in r:
-            print(f"| {r['shape']} | {r['error']} | | | |")
+            print(f"| {r['shape']} | {run} | {r['error']} | | | |")
         else:
             mem = f"{r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else "n/a (CPU)"
-            print(f"| {r['shape']} | {r['step_s']:.2f} s | {r['tokens_per_s'] / 1e3:.1f} k | {r['mfu']:.1%} | {mem} |")
+            print(f"| {r['shape']} | {run} | {r['step_s']:.2f} s | {r['tokens_per_s'] / 1e3:.1f} k | {r['mfu']:.1%} "
+                  f"| {mem} |")
+    device = "cpu" if cpu else torch.cuda.get_device_name()
+    verdicts = _verdicts(rows, device)
+    print("\n| target | verdict |\n|---|---|")
+    for target, verdict in verdicts:
+        print(f"| {target} | {verdict} |")
     out = Path(os.environ.get("OUT") or "bench_results") / ("gpu_throughput_cpu.json" if cpu else "gpu_throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": "cpu" if cpu else torch.cuda.get_device_name(), "workload": w,
-                               "rows": rows}, indent=1))
+    out.write_text(json.dumps({"device": device, "workload": w, "rows": rows,
+                               "targets": dict(verdicts)}, indent=1))
     print(f"wrote {out}")
-    if any("error" in r for r in rows) and cpu:
+    if any("error" in r for r in rows if r["run"] == "ours" or cpu) and cpu:
         raise SystemExit(1)
 
 
