@@ -40,8 +40,9 @@ class ModelConfig:
     # (portable torch spec: Megatron linears + SDPA attention + RMSNorm).
     layer_spec: Literal["auto", "te", "local"] = "auto"
     # Local spec: RMSNorm, SwiGLU, RoPE and residual adds each one torch.compile'd kernel
-    # (models/fused_layer.py). "auto": on with CUDA (launch-bound there), off on CPU (no launches to save,
-    # and inductor's C++ compile is slow); "on" / "off" force it. Same values and gradients either way.
+    # (models/fused_layer.py), and weight gradients accumulated into DDP's fp32 main_grad inside the wgrad
+    # GEMM (models/fused_wgrad.py). "auto": on with CUDA (launch-bound there), off on CPU (no launches to
+    # save, and inductor's C++ compile is slow); "on" / "off" force it. Same values and gradients either way.
     fused_elementwise: Literal["auto", "on", "off"] = "auto"
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     # Build MoE routers with Megatron's RouterReplay (needed by models.router record/replay).
@@ -218,6 +219,19 @@ def check_divisibility(arch: HFArch, layout: ParallelLayout) -> None:
             raise ValueError(f"{what}={n} is not divisible by the parallel size {parts}")
 
 
+def _fused_wgrad(cfg: ModelConfig) -> bool:
+    """``model.fused_elementwise`` on the local spec also accumulates weight gradients into Megatron DDP's
+    fp32 ``main_grad`` inside the wgrad GEMM (:mod:`megatron_rl.models.fused_wgrad`)."""
+    from megatron_rl.models import fused_layer, fused_wgrad
+    from megatron_rl.models.spec import resolve_layer_spec
+
+    on = resolve_layer_spec(cfg.layer_spec) == "local" and fused_layer.resolve(cfg.fused_elementwise,
+                                                                              torch.cuda.is_available())
+    if on:
+        fused_wgrad.install()
+    return on
+
+
 def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *, initialize: bool = True):
     """The Megatron ``TransformerConfig`` for ``arch`` split over ``layout`` (CPU-safe settings).
 
@@ -264,7 +278,7 @@ def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *
         # every fusion off: they need CUDA kernels (and are numerically different from HF)
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=_fused_wgrad(cfg),  # ours in torch (models/fused_wgrad.py), not Apex's
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,

@@ -1,5 +1,5 @@
-"""The fused local layer (model.fused_elementwise='on': RMSNorm, SwiGLU, RoPE, residual adds compiled)
-trains like the unfused one: same losses, grad norms, every gradient and the forward statistics, packed
+"""The fused local layer (model.fused_elementwise='on': RMSNorm, SwiGLU, RoPE, residual adds compiled, wgrad
+accumulated into main_grad inside the GEMM) trains like the unfused one: same losses, grad norms, every gradient and the forward statistics, packed
 under a token budget (fp32, gloo, one rank); and a batch of other packed lengths compiles nothing new.
 Compiled with ``aot_eager`` (inductor needs a C++ compile per graph: tens of seconds on CI's cores)."""
 
@@ -16,7 +16,7 @@ def _child(path):
     import train_helpers as th
     from torch._dynamo.utils import counters
 
-    from megatron_rl.models import fused_layer
+    from megatron_rl.models import fused_layer, fused_wgrad
     from megatron_rl.training import OptimConfig, TrainConfig
 
     fused_layer.BACKEND = "aot_eager"
@@ -26,6 +26,7 @@ def _child(path):
     out = {mode: th.train_run(path, {}, batch, tc, optim, steps=2, forward=True,
                               model_overrides={"fused_elementwise": mode}) for mode in ("off", "on")}
     graphs = counters["stats"]["unique_graphs"]
+    out["wgrad_calls"] = dict(fused_wgrad.CALLS)
     other = th.make_batch(8, seed=3, max_prompt=9, max_response=14)  # other lengths, other packing
     th.train_run(path, {}, other, tc, optim, steps=1, grads=False, model_overrides={"fused_elementwise": "on"})
     out["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
@@ -38,6 +39,8 @@ def test_fused_layer_trains_like_the_unfused_one(tmp_path):
     out = run_distributed(_child, 1, path, timeout_s=600)[0]
     off, on = out["off"], out["on"]
     assert out["graphs"] >= 5 and out["new_graphs"] == 0, (out["graphs"], out["new_graphs"])
+    # every linear's wgrad went straight into main_grad: 2 steps x micro-batches x 2 layers x 4 linears
+    assert out["wgrad_calls"]["fused"] >= 2 * 2 * 2 * 4 and out["wgrad_calls"]["fallback"] == 0, out["wgrad_calls"]
     # step 2 follows an lr 1e-3 Adam step from fp32 gradients equal to ~1e-7: relative to step 1's loss
     scale = abs(off["losses"][0])
     for a, b in zip(on["losses"], off["losses"]):

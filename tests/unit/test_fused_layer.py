@@ -91,3 +91,24 @@ def test_fused_elementwise_is_chosen_by_device():
     assert fused_layer.resolve("on", cuda=False) and not fused_layer.resolve("off", cuda=True)
     with pytest.raises(ValueError, match="model.fused_elementwise='yes'.*'auto', 'on' or 'off'"):
         ModelConfig(hf_path="x", fused_elementwise="yes")
+
+
+def test_wgrad_accumulates_into_main_grad_in_one_gemm():
+    from megatron_rl.models import fused_wgrad
+
+    g = torch.Generator().manual_seed(0)
+    main = torch.zeros(5, 7, dtype=torch.float64)
+    ref = main.clone()
+    before = dict(fused_wgrad.CALLS)
+    for t in (3, 11):  # two micro-batches, [s, b, ·] and 2-D
+        x, dy = torch.randn(t, 1, 7, generator=g, dtype=torch.float64), torch.randn(t, 1, 5, generator=g,
+                                                                                   dtype=torch.float64)
+        fused_wgrad.wgrad_gemm_accum(x, dy, main)
+        ref += dy[:, 0].t() @ x[:, 0]
+    torch.testing.assert_close(main, ref, rtol=1e-12, atol=1e-12)
+    assert fused_wgrad.CALLS["fused"] == before["fused"] + 2
+    # bf16 activations into an fp32 buffer (CPU: GEMM + add, the same sum)
+    x, dy = torch.randn(6, 7, generator=g).bfloat16(), torch.randn(6, 5, generator=g).bfloat16()
+    main32 = torch.ones(5, 7)
+    fused_wgrad.wgrad_gemm_accum(x, dy, main32)
+    torch.testing.assert_close(main32, 1 + (dy.t() @ x).float(), rtol=0, atol=0)
