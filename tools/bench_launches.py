@@ -11,8 +11,14 @@ Batch: N sequences of a 16-token prompt and a lognormal response (sigma 0.8, lon
 ``--steps``) and the NaN guard's pre-step check (``optim.nonfinite_weights=rollback``: the bound of
 :mod:`megatron_rl.training.nan_guard`, median of 50 calls) as a share of it.
 
+With ``--fused``: also a trainer with ``model.fused_elementwise=on`` (inductor, compiled on CPU), counted
+with the profiler instead (a dispatch-mode counter sees no compiled graph: under one the fused functions
+run eagerly): leaf ATen ops + compiled-graph calls of one train step, for both trainers (one call per
+layer attention), and the CPU step time of both (CPU default attention).
+
   python tools/bench_launches.py                       # N = 32, 64, 128
   python tools/bench_launches.py --sizes 64 --steps 5
+  python tools/bench_launches.py --fused
 Prints a markdown table; writes JSON to --out (default bench_results/bench_launches.json).
 """
 
@@ -73,6 +79,50 @@ def _count(fn):
     return c
 
 
+def _profiled_launches(fn) -> int:
+    """Leaf ATen ops + compiled-graph calls (``## Call CompiledFxGraph``: inductor's kernels) of ``fn()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    n = 0
+    for e in prof.events():
+        if "CompiledFxGraph" in e.name:
+            n += 1
+        elif e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children):
+            n += 1
+    return n
+
+
+def _fused_rows(path: str, cfg, groups, tr, sizes, steps: int):
+    """Per N: profiled launches (one call / layer attention) and CPU step time, unfused vs fused."""
+    from megatron_rl.models import attention, fused_layer
+    from megatron_rl.models.config import ModelConfig
+    from megatron_rl.training import OptimConfig, PolicyTrainer
+
+    t0 = time.perf_counter()
+    fused = PolicyTrainer(ModelConfig(hf_path=path, fused_elementwise="on"), cfg, groups,
+                          OptimConfig(lr=1e-6, nonfinite_weights="rollback"))
+    rows = []
+    for n in sizes:
+        batch = _batch(n)
+        row = {"sequences": n}
+        for name, trainer in (("unfused", tr), ("fused", fused)):
+            fused_layer.install_rope(name == "fused")  # RoPE's switch is process-wide
+            attention.PACKED_IMPL = "padded"
+            trainer.train_step(batch)  # warm-up (fused, first N: inductor compiles here)
+            if name == "fused" and n == sizes[0]:
+                row["first_compile_s"] = time.perf_counter() - t0
+            row[f"{name}_launches"] = _profiled_launches(lambda: trainer.train_step(batch))
+            attention.PACKED_IMPL = "auto"
+            if steps:
+                trainer.train_step(batch)
+                row[f"{name}_step_s"] = _timed(lambda: trainer.train_step(batch), steps)
+        fused_layer.install_rope(False)
+        rows.append(row)
+    return rows
+
+
 def _timed(fn, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -82,7 +132,7 @@ def _timed(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _worker(path: str, sizes, steps: int):
+def _worker(path: str, sizes, steps: int, fused: bool = False):
     import torch.distributed as dist
 
     from megatron_rl import parallel
@@ -119,8 +169,9 @@ def _worker(path: str, sizes, steps: int):
             row["step_s"] = _timed(lambda: tr.train_step(batch), steps)
             row["guard_s"] = _timed(guard, 50)
         rows.append(row)
+    fused_rows = _fused_rows(path, cfg, groups, tr, sizes, steps) if fused else []
     dist.barrier()
-    return rows
+    return rows, fused_rows
 
 
 def main() -> None:
@@ -129,10 +180,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed train steps per guard mode (0: counts only)")
     ap.add_argument("--out", default="bench_results/bench_launches.json")
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. 'before')")
+    ap.add_argument("--fused", action="store_true", help="also model.fused_elementwise=on (inductor on CPU)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_hf_checkpoint(tmp, "qwen3", num_hidden_layers=LAYERS, max_position_embeddings=256)
-        rows = run_distributed(_worker, 1, path, args.sizes, args.steps, timeout_s=1800, threads_per_rank=1)[0]
+        rows, fused_rows = run_distributed(_worker, 1, path, args.sizes, args.steps, args.fused, timeout_s=1800,
+                                           threads_per_rank=1)[0]
     print("| sequences | tokens | micro-batches | attention | train ops | ops / layer x mb | forward ops | "
           "fwd ops / layer x mb |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -149,9 +202,20 @@ def main() -> None:
     if 32 in by_n and 64 in by_n:
         for impl in ("padded", "auto"):
             print(f"train ops 64 / 32 sequences ({impl}): {by_n[64][impl]['train_ops'] / by_n[32][impl]['train_ops']:.3f}")
+    if fused_rows:
+        print("\n| sequences | launches unfused | launches fused | fused / unfused | CPU step unfused | CPU step fused |"
+              "\n|---|---|---|---|---|---|")
+        for r in fused_rows:
+            step = (f"{r['unfused_step_s'] * 1e3:.0f} ms | {r['fused_step_s'] * 1e3:.0f} ms" if "fused_step_s" in r
+                    else "| ")
+            print(f"| {r['sequences']} | {r['unfused_launches']} | {r['fused_launches']} | "
+                  f"{r['fused_launches'] / r['unfused_launches']:.2f} | {step} |")
+        print("(launches: leaf ATen ops + compiled-graph calls of one train step, torch profiler, one call / layer "
+              f"attention; fused trainer built and first compiled in {fused_rows[0].get('first_compile_s', 0):.0f} s)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": args.label, "layers": LAYERS, "budget": BUDGET, "rows": rows}, indent=1))
+    out.write_text(json.dumps({"label": args.label, "layers": LAYERS, "budget": BUDGET, "rows": rows,
+                               "fused_rows": fused_rows}, indent=1))
     print(f"wrote {out}")
 
 

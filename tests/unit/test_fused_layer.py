@@ -112,3 +112,17 @@ def test_wgrad_accumulates_into_main_grad_in_one_gemm():
     main32 = torch.ones(5, 7)
     fused_wgrad.wgrad_gemm_accum(x, dy, main32)
     torch.testing.assert_close(main32, 1 + (dy.t() @ x).float(), rtol=0, atol=0)
+
+
+def test_fused_functions_run_eagerly_under_a_torch_function_mode(counter):
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):  # as the tests' device guard
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(5, 1, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    with Passthrough():
+        out = fused_layer.compiled(fused_layer.rms_norm)(x, w, 1e-6)
+    assert counter.frame_count == 0
+    torch.testing.assert_close(out, fused_layer.rms_norm(x, w, 1e-6), rtol=0, atol=0)
