@@ -13,7 +13,8 @@ Batch: N sequences of a 16-token prompt and a lognormal response (sigma 0.8, lon
 
 With ``--fused``: also a trainer with ``model.fused_elementwise=on`` (inductor, compiled on CPU), counted
 with the profiler instead (a dispatch-mode counter sees no compiled graph: under one the fused functions
-run eagerly): leaf ATen ops + compiled-graph calls of one train step, for both trainers (one call per
+run eagerly): leaf ATen ops that launch a kernel (views, allocations left out) + compiled-graph calls of one
+train step, for both trainers (one call per
 layer attention), and the CPU step time of both (CPU default attention).
 
   python tools/bench_launches.py                       # N = 32, 64, 128
@@ -79,8 +80,16 @@ def _count(fn):
     return c
 
 
+# views, aliases and allocations: no kernel on a GPU
+_NO_KERNEL = frozenset(f"aten::{n}" for n in (
+    "as_strided", "view", "_unsafe_view", "reshape", "_reshape_alias", "empty", "empty_strided", "detach", "alias",
+    "resolve_conj", "resolve_neg", "lift_fresh", "t", "transpose", "permute", "expand", "slice", "select",
+    "unsqueeze", "squeeze", "split", "chunk", "narrow", "unbind", "split_with_sizes", "set_"))
+
+
 def _profiled_launches(fn) -> int:
-    """Leaf ATen ops + compiled-graph calls (``## Call CompiledFxGraph``: inductor's kernels) of ``fn()``."""
+    """Leaf ATen ops that would launch a kernel (views and allocations left out) + compiled-graph calls
+    (``## Call CompiledFxGraph``: inductor's kernels, 1-3 per graph on a GPU) of ``fn()``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -89,7 +98,8 @@ def _profiled_launches(fn) -> int:
     for e in prof.events():
         if "CompiledFxGraph" in e.name:
             n += 1
-        elif e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children):
+        elif (e.name.startswith("aten::") and e.name not in _NO_KERNEL
+              and not any(c.name.startswith("aten::") for c in e.cpu_children)):
             n += 1
     return n
 
@@ -210,7 +220,8 @@ def main() -> None:
                     else "| ")
             print(f"| {r['sequences']} | {r['unfused_launches']} | {r['fused_launches']} | "
                   f"{r['fused_launches'] / r['unfused_launches']:.2f} | {step} |")
-        print("(launches: leaf ATen ops + compiled-graph calls of one train step, torch profiler, one call / layer "
+        print("(launches: leaf ATen ops but views and allocations + compiled-graph calls of one train step, torch "
+              "profiler, one call / layer "
               f"attention; fused trainer built and first compiled in {fused_rows[0].get('first_compile_s', 0):.0f} s)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
