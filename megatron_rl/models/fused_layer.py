@@ -16,13 +16,15 @@ path's, op for op, so values and gradients match it (tests/unit/test_fused_layer
 * Dropout inside a compiled graph draws from inductor's RNG, not Megatron's: residual adds with hidden
   dropout > 0 in training stay on the eager path.
 
-``BACKEND`` is ``"inductor"``; tests set ``"aot_eager"`` (same graphs and autograd, no C++ compiler).
+``BACKEND`` is ``"inductor"``; tests set ``"aot_eager"`` (same graphs and autograd, no C++ compiler). A
+function whose compilation fails (no working Triton or C++ compiler) warns once and runs unfused.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Tuple
+import warnings
+from typing import Callable, Dict, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,9 @@ from megatron_rl.models.spec import RMSNorm
 MODES = ("auto", "on", "off")
 BACKEND = "inductor"
 _compiled: Dict[Tuple[Callable, object], Callable] = {}
+_failed: Set[Tuple[Callable, object]] = set()
+_COMPILE_ERRORS = (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.Unsupported,
+                   torch._dynamo.exc.InternalTorchDynamoError)
 
 
 def resolve(mode: str, cuda: bool) -> bool:
@@ -51,9 +56,19 @@ def compiled(fn: Callable) -> Callable:
         graph = torch.compile(fn, dynamic=True, fullgraph=True, backend=BACKEND)
 
         def call(*args, **kwargs):
-            if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+            if (key in _failed or torch._C._len_torch_function_stack()
+                    or torch._C._len_torch_dispatch_stack()):
                 return fn(*args, **kwargs)
-            return graph(*args, **kwargs)
+            try:
+                return graph(*args, **kwargs)
+            except _COMPILE_ERRORS as e:  # e.g. no working Triton / C++ compiler: the same math, unfused
+                _failed.add(key)
+                cause = getattr(e, "inner_exception", None) or e.__cause__ or e
+                why = (str(cause).strip().splitlines() or [""])[0][:200]
+                warnings.warn(f"models.fused_layer: torch.compile of {fn.__name__} failed ({type(cause).__name__}: "
+                              f"{why}); running it unfused (set model.fused_elementwise=off to silence)",
+                              RuntimeWarning, stacklevel=2)
+                return fn(*args, **kwargs)
 
         _compiled[key] = call
     return _compiled[key]

@@ -2,6 +2,8 @@
 (values and input/weight gradients, float64), and compile once whatever the packed length (dynamic
 shapes; counted). Compiled with ``aot_eager``: the graphs and autograd inductor gets, without a C++ compiler."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,3 +128,19 @@ def test_fused_functions_run_eagerly_under_a_torch_function_mode(counter):
         out = fused_layer.compiled(fused_layer.rms_norm)(x, w, 1e-6)
     assert counter.frame_count == 0
     torch.testing.assert_close(out, fused_layer.rms_norm(x, w, 1e-6), rtol=0, atol=0)
+
+
+def test_a_failed_compile_warns_once_and_runs_unfused(monkeypatch):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(fused_layer, "BACKEND", broken)
+    x, w = torch.randn(5, 1, 8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="torch.compile of rms_norm failed.*no compiler here"):
+        out = fused_layer.compiled(fused_layer.rms_norm)(x, w, 1e-6)
+    torch.testing.assert_close(out, fused_layer.rms_norm(x, w, 1e-6), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fused_layer.compiled(fused_layer.rms_norm)(x, w, 1e-6)  # once: no second warning, no second compile
+    fused_layer._compiled.pop((fused_layer.rms_norm, broken))
+    fused_layer._failed.discard((fused_layer.rms_norm, broken))
