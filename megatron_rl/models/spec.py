@@ -9,6 +9,9 @@ MoE layer, and swaps in two small modules of ours:
 * :class:`RMSNorm` — computes in float32 like HF's ``*RMSNorm`` and, unlike Megatron's
   ``WrappedTorchNorm``, supports sequence parallelism (its weight carries the ``sequence_parallel``
   attribute so ``finalize_model_grads`` all-reduces its gradient over TP).
+
+With ``model.fused_elementwise`` on (default with CUDA) the norms, SwiGLU, RoPE and residual adds are
+``torch.compile``'d (:mod:`megatron_rl.models.fused_layer`): same modules, parameters and checkpoint keys.
 """
 
 from __future__ import annotations
