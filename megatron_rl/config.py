@@ -29,7 +29,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
 from megatron_rl.parallel import ParallelLayout
 from megatron_rl.profiling import ProfileConfig
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.weights.config import WeightSyncConfig
 from megatron_rl.training.config import OptimConfig, TrainConfig
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ TP=2 (vocabulary padded to a multiple of ``vocab_divisor * 2``) exports at TP=1.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import TYPE_CHECKING, Optional
@@ -116,33 +115,3 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, model_path: Optional[str
     return ckpt
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a checkpoint root (its latest checkpoint) or one iter_* directory")
-    p.add_argument("out_dir", help="the HF directory to write")
-    p.add_argument("--model", help="the HF directory the run started from (config + tokenizer); default: recorded")
-    p.add_argument("--tokenizer", help="a tokenizer to save into OUT_DIR (default: the model directory's files)")
-    p.add_argument("--step", type=int, help="export iter_<STEP> of the root instead of the latest")
-    for axis in ("tp", "pp", "ep"):
-        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} of the export (under torchrun; default 1)")
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    import sys
-
-    from megatron_rl import parallel
-    from megatron_rl.parallel import ParallelLayout
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        ckpt = resolve_checkpoint(args.checkpoint, args.step)  # before any process group: a quick error
-        parallel.init_process_group()
-        try:
-            export_checkpoint(ckpt, args.out_dir, model_path=args.model, tokenizer=args.tokenizer,
-                              layout=ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep))
-        finally:
-            parallel.destroy()
-    except (FileNotFoundError, ValueError) as e:
-        print(f"megatron-rl export: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {ckpt} -> {args.out_dir}")
-    return 0

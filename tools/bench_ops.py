@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_rl.testing import DistributedTestError, run_distributed  # noqa: E402
+from multiproc import DistributedTestError, run_distributed  # noqa: E402
 
 
 class _PeerEntropy(torch.autograd.Function):

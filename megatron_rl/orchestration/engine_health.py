@@ -50,7 +50,7 @@ from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tu
 
 from megatron_rl.config import RecoveryConfig
 from megatron_rl.orchestration.failures import RunError, actor_death
-from megatron_rl.rollout.balancer import RemoteEngine
+from megatron_rl.rollout.client.balancer import RemoteEngine
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """One rollout engine as a Ray actor: it runs an SGLang-protocol server as a child process and manages it.
 
-* ``embedded``: ``python -m megatron_rl.rollout.server`` -- our SGLang-compatible HTTP server over an
+* ``embedded``: ``python -m megatron_rl.rollout.embedded.server`` -- our SGLang-compatible HTTP server over an
   :class:`~megatron_rl.rollout.embedded.EmbeddedEngine` (transformers). On CPU this is what makes the
   driver's SGLang client path -- HTTP generate, weight updates, memory release -- run for real over loopback.
 * ``sglang``: ``python -m sglang.launch_server`` on the GPUs Ray gave this actor (``CUDA_VISIBLE_DEVICES``).
 
-Both are a :class:`~megatron_rl.rollout.process.ManagedServer` in their own session, logging to
+Both are a :class:`~megatron_rl.rollout.client.process.ManagedServer` in their own session, logging to
 ``<output_dir>/<kind>_<index>.log``: the actor can see the server's exit status, SIGKILL it (what a crash
 looks like, also for tests) and launch it again, while it stays the engine's Ray handle -- engine recovery
 (``engine_health.py``) restarts a dead or hung server through :meth:`EngineWorker.restart`, which launches
@@ -49,7 +49,7 @@ class EngineSpec:
 
     def sglang_server(self, log_path: Optional[str] = None, devices: Optional[str] = None):
         """The ``sglang.launch_server`` configuration of this engine (``devices``: its CUDA_VISIBLE_DEVICES)."""
-        from megatron_rl.rollout.sglang import SGLangServerConfig
+        from megatron_rl.rollout.client.sglang import SGLangServerConfig
 
         s = self.sglang
         return SGLangServerConfig(
@@ -96,7 +96,7 @@ class EngineWorker:
         return os.path.join(self.spec.log_dir, f"{self.spec.kind}_{self.spec.index}.log")
 
     def _launch_embedded(self):
-        from megatron_rl.rollout.process import launch_embedded_server
+        from megatron_rl.rollout.client.process import launch_embedded_server
 
         spec = self.spec
         device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") and _cuda_available() else "cpu"
@@ -106,7 +106,7 @@ class EngineWorker:
             extra_args=["--max-batch-rows", "256", "--dtype", spec.dtype, "--device", device])
 
     def _launch_sglang(self):
-        from megatron_rl.rollout.sglang import launch_sglang_server
+        from megatron_rl.rollout.client.sglang import launch_sglang_server
 
         return launch_sglang_server(self.spec.sglang_server(self.log_path, self.devices))
 

@@ -20,8 +20,8 @@ _RAY_LOG_MARKERS = (":job_id:", ":actor_name:", ":task_name:")
 
 
 def user_errors() -> Tuple[type, ...]:
-    from megatron_rl.rollout.http_client import ServerUnavailableError
-    from megatron_rl.rollout.weight_sync import WeightSyncError
+    from megatron_rl.rollout.client.http_client import ServerUnavailableError
+    from megatron_rl.weights.sync import WeightSyncError
 
     return (RunError, CheckpointSpaceError, CheckpointCorruptError, CheckpointMismatchError, FloatingPointError,
             ServerUnavailableError, WeightSyncError)

@@ -30,8 +30,8 @@ from megatron_rl.diagnostics import reward_entropy_bits
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import progress
 from megatron_rl.orchestration.activity import BusyMeter
-from megatron_rl.rollout.protocol import GenerateRequest, RolloutEngine, Sample, SamplingParams
-from megatron_rl.rollout.weight_versions import version_number
+from megatron_rl.rollout.client.protocol import GenerateRequest, RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.client.weight_versions import version_number
 
 
 @dataclass

@@ -6,7 +6,7 @@ actors before any result is awaited -- and submitted under one lock: the engine-
 (``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
 actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
 data-parallel replica and are put back together in batch order. The batch is split over data-parallel ranks contiguously, or, with a
-token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.schedule.rank_rows`).
+token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.token_budget.rank_rows`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_rl.orchestration import failures
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
-from megatron_rl.training.schedule import rank_rows
+from megatron_rl.training.token_budget import rank_rows
 
 
 class TrainerGroup:

@@ -7,8 +7,8 @@ model, optimizer and (optionally) a frozen reference model. Every other method i
 driver calls it on all ranks concurrently (:class:`~megatron_rl.orchestration.trainer_group.TrainerGroup`)
 with each rank's data-parallel shard of the batch.
 
-Weight sync: rank 0 holds a :class:`~megatron_rl.rollout.balancer.RemoteEngine` over the engine
-servers and drives :class:`~megatron_rl.rollout.weight_sync.WeightSync`; the other ranks join its
+Weight sync: rank 0 holds a :class:`~megatron_rl.rollout.client.balancer.RemoteEngine` over the engine
+servers and drives :class:`~megatron_rl.weights.sync.WeightSync`; the other ranks join its
 gathers (with the ``ipc`` transport of colocated engines every rank beside an engine sends its own copy).
 Results that are identical on every rank come back from rank 0 only (less Ray traffic).
 
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.parallel import ParallelLayout
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.weights.config import WeightSyncConfig
 from megatron_rl.training.config import OptimConfig, TrainConfig
 
 
@@ -198,18 +198,18 @@ class TrainerWorker:
         hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport).
         ``pause_mode="in_place"`` (partial rollouts): each sync holds the engines' running requests in place
         around the update."""
-        from megatron_rl.rollout.weight_sync import WeightSync
+        from megatron_rl.weights.sync import WeightSync
 
         self._transport = transport
         self._group_timeout_s = timeout_s
         self._ipc = None
         if transport == "ipc":
-            from megatron_rl.rollout.ipc_transport import IpcTransport
+            from megatron_rl.rollout.client.ipc_transport import IpcTransport
 
             self._ipc = IpcTransport(urls, timeout_s=timeout_s)  # collective: every rank
         if self.rank == 0:
-            from megatron_rl.rollout.balancer import RemoteEngine
-            from megatron_rl.rollout.http_client import SGLangClient
+            from megatron_rl.rollout.client.balancer import RemoteEngine
+            from megatron_rl.rollout.client.http_client import SGLangClient
 
             layout = None
             if self.spec.weight_sync.replay_routing:  # the probe check asks the engines for their routing
@@ -238,7 +238,7 @@ class TrainerWorker:
         """Collective: run ``fn`` on rank 0 and raise on every rank if it failed (no rank left in a later gather)."""
         import torch.distributed as dist
 
-        from megatron_rl.rollout.weight_sync import WeightSyncError
+        from megatron_rl.weights.sync import WeightSyncError
 
         error = None
         if self.rank == 0:
@@ -269,7 +269,7 @@ class TrainerWorker:
         """Collective: engine ``index`` was restarted at ``url``; give that server alone the current weights (and the
         probe check, if configured). The full weight group, if any, lacks the new server: it is rebuilt at the next
         :meth:`sync_weights`."""
-        from megatron_rl.rollout.weight_sync import WeightSync
+        from megatron_rl.weights.sync import WeightSync
 
         self._regroup = self._transport == "distributed"
         engines = []

@@ -8,7 +8,7 @@ stage (an empty list elsewhere).
 Megatron's schedule treats the loss like this (``forward_step_calc_loss``, two-value loss functions):
 ``loss * cp_size / num_microbatches`` is back-propagated, and DDP then multiplies the summed gradient
 by ``1 / (dp * cp)``. The train step compensates with its own factor (see
-:mod:`megatron_rl.training.engine`); this module does not scale anything.
+:mod:`megatron_rl.training.trainer`); this module does not scale anything.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from megatron_rl.orchestration.batching import compute_step_advantages, token_re
 from megatron_rl.orchestration.rollout import RolloutPhase, request_seed
 from megatron_rl.advantages import AdvantageConfig
 from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine
 
 from run_helpers import quick_assets
 

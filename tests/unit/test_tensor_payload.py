@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from megatron_rl.rollout import tensor_payload as tp
+from megatron_rl.weights import tensor_payload as tp
 
 from run_helpers import REPO
 

@@ -19,7 +19,7 @@ gives every child of an ``n > 1`` request the same seed under deterministic infe
 could not abort by; a batch item with ``n = 1`` keeps the seed and rid we send); unseeded samples still get
 a random seed (SGLang would seed them all 42); weight versions are read from ``/model_info`` (there is no
 ``/get_weight_version``); routed experts are decoded with the model's
-:class:`~megatron_rl.rollout.protocol.ExpertLayout`; "processed" log-probs are requested with
+:class:`~megatron_rl.rollout.client.protocol.ExpertLayout`; "processed" log-probs are requested with
 ``return_sampling_mask`` and read from ``output_token_sampling_logprobs``.
 """
 
@@ -41,9 +41,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from megatron_rl.rollout import weight_group, wire
-from megatron_rl.rollout.protocol import ExpertLayout, GenerateRequest, Sample
-from megatron_rl.rollout.sampling import derive_seed
+from megatron_rl.rollout.client import wire
+from megatron_rl.weights import group as weight_group
+from megatron_rl.rollout.client.protocol import ExpertLayout, GenerateRequest, Sample
+from megatron_rl.rollout.client.protocol import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +87,6 @@ class RequestRejected(ServerError):
 
 class ServerUnavailableError(ServerError):
     """The server could not be reached (or kept failing) after every attempt the policy allows."""
-
-
-def _shared_dir() -> str:
-    """Where weight files go for a server on this machine (the folder the embedded server reads from)."""
-    from megatron_rl.rollout.server import shared_dir
-
-    return shared_dir()
 
 
 def _is_local_address(host: str) -> bool:
@@ -319,7 +313,7 @@ class SGLangClient:
 
     def update_weights_from_payloads(self, payloads: List[str], load_format: Optional[str] = None) -> None:
         """SGLang's own format: one ``tensor_payload`` payload per server TP rank (colocated placement)."""
-        from megatron_rl.rollout.tensor_payload import request_body
+        from megatron_rl.weights.tensor_payload import request_body
 
         self._expect_success(self.request("POST", "/update_weights_from_tensor", request_body(payloads, load_format)))
 
@@ -327,9 +321,8 @@ class SGLangClient:
         """Post ``bucket`` as a shared-memory file; False (bytes from now on) if the server cannot read it."""
         import tempfile
 
-        from megatron_rl.rollout.server import WEIGHT_FILE_PREFIX
 
-        fd, path = tempfile.mkstemp(prefix=WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=_shared_dir())
+        fd, path = tempfile.mkstemp(prefix=wire.WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=wire.shared_dir())
         os.close(fd)
         try:
             wire.write_bucket_file(bucket, path)

@@ -33,14 +33,16 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 
 import torch
 
-from megatron_rl.rollout.decode_batch import DecodeBatch, Row
-from megatron_rl.rollout.hf_weights import HFWeightTarget
-from megatron_rl.rollout.protocol import (
-    LOGPROB_MODES, EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample,
+from megatron_rl.rollout.embedded.decode_batch import DecodeBatch, Row
+from megatron_rl.rollout.embedded.hf_weights import HFWeightTarget
+from megatron_rl.rollout.client.protocol import (
+    LOGPROB_MODES, EngineHealth, GenerateRequest, RolloutEngine, Sample,
 )
-from megatron_rl.rollout.routing import RoutingRecorder
-from megatron_rl.rollout.sampling import RowParams, derive_seed, make_generator, sample_next
-from megatron_rl.rollout.weight_versions import compute_spans, record_event
+from megatron_rl.rollout.embedded.routing import RoutingRecorder
+from megatron_rl.rollout.client.protocol import derive_seed
+from megatron_rl.rollout.embedded.sampling import make_generator, sample_next
+from megatron_rl.rollout.client.weight_versions import compute_spans, record_event
+from megatron_rl.weights.receiver import NamedTensorBucket
 
 
 SEED_MODES = ("derived", "deterministic", "ignored")
@@ -192,6 +194,12 @@ class EmbeddedEngine(RolloutEngine):
                 raise
             self.weights_consistent = True
             self.update_weight_version(version)
+
+    def weights_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def receives_in_place(self) -> bool:
+        return True  # weight_update() yields the live model's HFWeightTarget
 
     @contextlib.contextmanager
     def weight_update(self, version: Any) -> Iterator[HFWeightTarget]:

@@ -45,9 +45,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-from megatron_rl.rollout import weight_group
-from megatron_rl.rollout.http_client import RequestRejected, SGLangClient, ServerUnavailableError
-from megatron_rl.rollout.protocol import EngineHealth, GenerateRequest, NamedTensorBucket, RolloutEngine, Sample
+from megatron_rl.weights import group as weight_group
+from megatron_rl.rollout.client.http_client import RequestRejected, SGLangClient, ServerUnavailableError
+from megatron_rl.rollout.client.protocol import EngineHealth, GenerateRequest, RolloutEngine, Sample
+from megatron_rl.weights.receiver import NamedTensorBucket
 
 log = logging.getLogger(__name__)
 

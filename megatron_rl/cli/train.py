@@ -11,12 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
-
-_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="the run's YAML recipe, e.g. examples/tiny_cpu.yaml")
@@ -25,12 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="check the config and print it resolved; run nothing")
     p.add_argument("--log-level", default="INFO", help="Python logging level of the driver (default INFO)")
 
-    def parse_known_args(args=None, namespace=None):  # key=value tokens may follow flags too
-        ns, extra = argparse.ArgumentParser.parse_known_args(p, args, namespace)
-        ns.overrides = list(ns.overrides or []) + [a for a in extra if _OVERRIDE.match(a)]
-        return ns, [a for a in extra if not _OVERRIDE.match(a)]
-
-    p.parse_known_args = parse_known_args
 
 
 class _TqdmHandler(logging.Handler):
@@ -51,7 +41,7 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), handlers=[handler], force=True)
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from megatron_rl.config import dump_yaml, load_run_config
     from megatron_rl.config_io import ConfigError
 

@@ -7,7 +7,7 @@ rank ``i`` reads entry ``i`` of ``/update_weights_from_tensor``'s ``serialized_n
 tensor on its own GPU (``tensor_payload.py``), so for each bucket:
 
 1. every rank of engine ``e``'s group copies the bucket into a fresh buffer on its device and encodes it
-   (:func:`~megatron_rl.rollout.tensor_payload.encode_bucket`: a CUDA-IPC handle with the device's UUID;
+   (:func:`~megatron_rl.weights.tensor_payload.encode_bucket`: a CUDA-IPC handle with the device's UUID;
    on CPU a shared-memory file);
 2. the payloads are gathered (``gather_object`` over a gloo group of the engine's ranks) to the group's
    first rank, the *leader*, which posts them to its engine;
@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout import tensor_payload
-from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
-from megatron_rl.rollout.protocol import NamedTensorBucket
+from megatron_rl.weights import tensor_payload
+from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+from megatron_rl.weights.receiver import NamedTensorBucket
 
 log = logging.getLogger(__name__)
 

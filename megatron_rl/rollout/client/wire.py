@@ -28,14 +28,24 @@ folder (what ``SGLangClient`` sends a server on its own machine). SGLang's own f
 from __future__ import annotations
 
 import base64
+import os
+import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_rl.rollout.protocol import (
+from megatron_rl.rollout.client.protocol import (
     ExpertLayout, GenerateRequest, Sample, SamplingParams, SamplingParamsError,
 )
-from megatron_rl.rollout.weight_versions import spans_from_meta, spans_to_meta
+from megatron_rl.rollout.client.weight_versions import spans_from_meta, spans_to_meta
+
+
+WEIGHT_FILE_PREFIX = "mrl-weights-"  # the only files load_format="safetensors_file" may name
+
+
+def shared_dir() -> str:
+    """Where same-machine weight files go: /dev/shm (memory) when writable, else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class BadRequest(ValueError):

@@ -18,19 +18,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from megatron_rl.rollout.protocol import LOGPROB_MODES, SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def derive_seed(seed: int, sample_index: int) -> int:
-    """Seed of sample ``sample_index`` of a request seeded ``seed`` (splitmix64 of the pair), so that
-    requests seeded 1 and 2 with ``n=2`` do not share streams as ``seed + index`` would."""
-    z = (seed * 0x9E3779B97F4A7C15 + (sample_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
+from megatron_rl.rollout.client.protocol import LOGPROB_MODES, SamplingParams
 
 def make_generator(seed: int) -> torch.Generator:
     g = torch.Generator(device="cpu")

@@ -35,7 +35,7 @@ from megatron_rl.objectives import ObjectiveConfig, ReduceGroups, step_normalize
 from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response_length
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.routing.trainer import TrainerRouting
-from megatron_rl.schedules import LRSchedule, set_lr
+from megatron_rl.lr_schedules import LRSchedule, set_lr
 from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
 from megatron_rl.training.config import OptimConfig, TrainConfig
@@ -43,7 +43,7 @@ from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_gro
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches
 from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics
-from megatron_rl.training.schedule import WorkModel, imbalance, pack
+from megatron_rl.training.token_budget import WorkModel, imbalance, pack
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import Deque, Iterator, List, Optional
 
-from megatron_rl.rollout.protocol import GenerateRequest, Sample
+from megatron_rl.rollout.client.protocol import GenerateRequest, Sample
 
 
 class _Job:

@@ -19,8 +19,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from megatron_rl.orchestration.cli import _OVERRIDE
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="a recipe YAML, a run directory, or an HF model directory")
@@ -30,12 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="also write the metrics here (JSON)")
     p.add_argument("--step", type=int, default=0, help="the step number seeding the sampling (default 0)")
 
-    def parse_known_args(args=None, namespace=None):  # key=value tokens may follow flags too
-        ns, extra = argparse.ArgumentParser.parse_known_args(p, args, namespace)
-        ns.overrides = list(ns.overrides or []) + [a for a in extra if _OVERRIDE.match(a)]
-        return ns, [a for a in extra if not _OVERRIDE.match(a)]
-
-    p.parse_known_args = parse_known_args
 
 
 @dataclass
@@ -92,8 +84,8 @@ def _engine(setup: EvalSetup, closers: list):
     """A RemoteEngine over the servers the rollout config names (started here for embedded / sglang, the way
     the run's engine workers start them, in this process)."""
     from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
-    from megatron_rl.rollout.balancer import RemoteEngine
-    from megatron_rl.rollout.http_client import SGLangClient
+    from megatron_rl.rollout.client.balancer import RemoteEngine
+    from megatron_rl.rollout.client.http_client import SGLangClient
 
     r = setup.rollout
     if r.engine == "remote":
@@ -147,7 +139,7 @@ def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from megatron_rl.config_io import ConfigError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
+from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
 
 
 class ServerLaunchError(RuntimeError):
@@ -115,14 +115,14 @@ class ManagedServer:
 def launch_embedded_server(model_path: str, log_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
                            seed: int = 0, deterministic: bool = True, health_timeout_s: float = 120.0,
                            extra_args: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None) -> ManagedServer:
-    """Start ``python -m megatron_rl.rollout.server`` for ``model_path`` and wait until it is healthy
+    """Start ``python -m megatron_rl.rollout.embedded.server`` for ``model_path`` and wait until it is healthy
     (``env``: variables set on top of this process's environment)."""
     port = port or free_port(host)
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    argv = [sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", str(model_path), "--host", host,
+    argv = [sys.executable, "-m", "megatron_rl.rollout.embedded.server", "--model-path", str(model_path), "--host", host,
             "--port", str(port), "--random-seed", str(seed), *(["--enable-deterministic-inference"] if deterministic
                                                                else []), *(extra_args or [])]
     server = ManagedServer(argv, f"http://{host}:{port}", log_path, env=env, health_timeout_s=health_timeout_s,

@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_rl.rollout.protocol import ExpertLayout
+from megatron_rl.rollout.client.protocol import ExpertLayout
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

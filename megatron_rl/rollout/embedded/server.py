@@ -34,7 +34,7 @@ memory), and request caps (``--max-n``, ``--max-request-rows``, ``--max-request-
 limit) so that one request cannot exhaust the machine.
 Not supported (a clear 400): text input, streaming, images, LoRA, grammars.
 
-Run: ``python -m megatron_rl.rollout.server --model-path DIR [--port N] [--enable-deterministic-inference]``.
+Run: ``python -m megatron_rl.rollout.embedded.server --model-path DIR [--port N] [--enable-deterministic-inference]``.
 """
 
 from __future__ import annotations
@@ -51,26 +51,19 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron_rl.rollout import weight_group, wire
-from megatron_rl.rollout.embedded import (
+from megatron_rl.rollout.client import wire
+from megatron_rl.weights import group as weight_group
+from megatron_rl.rollout.embedded.engine import (
     EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError, SamplerAssertionError,
 )
-from megatron_rl.rollout.generation_queue import GenerationQueue
-from megatron_rl.rollout.hf_weights import WeightUpdateError
-from megatron_rl.rollout.protocol import GenerateRequest
+from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
+from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
+from megatron_rl.rollout.client.protocol import GenerateRequest
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-WEIGHT_FILE_PREFIX = "mrl-weights-"  # the only files load_format="safetensors_file" may name
 MAX_BODY_BYTES = 4 << 30
-
-
-def shared_dir() -> str:
-    """Where same-machine weight files go: /dev/shm (memory) when writable, else the temp directory."""
-    import tempfile
-
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class HTTPError(Exception):
@@ -353,7 +346,7 @@ class EmbeddedServer:
 
                     buckets = [list(load_file(self._weight_file(p)).items()) for p in payloads]
                 elif fmt in (None, "direct", weight_group.FLATTENED):  # SGLang's own: one payload per TP rank
-                    from megatron_rl.rollout.tensor_payload import decode_payloads
+                    from megatron_rl.weights.tensor_payload import decode_payloads
 
                     buckets = [decode_payloads(payloads, fmt, tp_size=self.tp_size)]
                 else:
@@ -373,10 +366,10 @@ class EmbeddedServer:
 
     def _weight_file(self, path: str) -> str:
         """A weight file the client named: only ours, in the shared-memory folder (never any other path)."""
-        real, folder = os.path.realpath(path), os.path.realpath(shared_dir())
-        if os.path.dirname(real) != folder or not os.path.basename(real).startswith(WEIGHT_FILE_PREFIX):
+        real, folder = os.path.realpath(path), os.path.realpath(wire.shared_dir())
+        if os.path.dirname(real) != folder or not os.path.basename(real).startswith(wire.WEIGHT_FILE_PREFIX):
             raise _weights_error(f"serialized_named_tensors: {path!r} is not a weight file of this machine's shared "
-                                 f"folder ({folder}/{WEIGHT_FILE_PREFIX}*); send the bytes (load_format="
+                                 f"folder ({folder}/{wire.WEIGHT_FILE_PREFIX}*); send the bytes (load_format="
                                  "'safetensors') instead")
         return real
 
@@ -509,7 +502,7 @@ class EmbeddedServer:
 
 
 def _health_params():
-    from megatron_rl.rollout.protocol import SamplingParams
+    from megatron_rl.rollout.client.protocol import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=1)
 

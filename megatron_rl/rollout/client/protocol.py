@@ -41,18 +41,15 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_rl.rollout.weight_versions import WeightVersionSpan, token_versions
+from megatron_rl.rollout.client.weight_versions import WeightVersionSpan, token_versions
+from megatron_rl.weights.receiver import WeightReceiver
 
 LOGPROB_MODES = ("raw", "processed")
 FINISH_REASONS = ("stop", "length", "abort")
-
-# A bucket of named HF tensors, e.g. ``[("model.layers.0.self_attn.q_proj.weight", tensor), ...]``.
-NamedTensorBucket = Iterable[Tuple[str, torch.Tensor]]
-
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; ``field`` names it (the HTTP server reports it back)."""
@@ -263,29 +260,15 @@ class EngineHealth:
     detail: str = ""
 
 
-class RolloutEngine(abc.ABC):
-    """What the driver needs from a rollout engine. Implementations: ``EmbeddedEngine`` (in-process
-    ``transformers``), ``RemoteEngine`` (SGLang or the embedded server over HTTP)."""
+class RolloutEngine(WeightReceiver):
+    """What the driver needs from a rollout engine (and, as a WeightReceiver, what a weight sync needs).
+    Implementations: ``EmbeddedEngine`` (in-process ``transformers``), ``RemoteEngine`` (SGLang or the
+    embedded server over HTTP)."""
 
     @abc.abstractmethod
     def generate(self, requests: Sequence[GenerateRequest]) -> List[Sample]:
         """Sample every request; returns ``sum(r.sampling.n)`` samples, request-major (all ``n`` samples
         of request 0, then request 1, ...), ``sample_index`` numbering the ``n`` samples."""
-
-    @abc.abstractmethod
-    def update_weights(self, named_tensor_buckets: Iterable[NamedTensorBucket], version: Any) -> None:
-        """Load HF-named tensors, bucket by bucket (a bucket is an iterable of ``(hf_name, tensor)``),
-        then set the weight version (``str(version)``) reported in every later ``Sample``."""
-
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> List[torch.Tensor]:
-        """Teacher-forced log-probs of a given sequence, one ``[L - 1]`` float32 tensor per engine replica
-        (``EmbeddedEngine``: one; ``RemoteEngine``: one per server, in server order): entry ``t`` is
-        ``log softmax(logits_t)[token_ids[t + 1]]`` at temperature 1 over the full vocabulary -- SGLang's
-        ``input_token_logprobs`` with ``logprob_start_len=0`` minus its empty first entry. The weight-sync
-        check compares these with the trainer's (``rollout/weight_sync.py``); per replica, because one
-        server that missed an update must not hide behind the others."""
-        raise NotImplementedError(f"{type(self).__name__} cannot score a given token sequence; implement "
-                                  "prompt_logprobs() or turn the weight-sync check off (WeightSyncConfig.check)")
 
     @abc.abstractmethod
     def release_memory(self) -> None:
@@ -303,3 +286,15 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release every resource; the engine is unusable afterwards."""
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """Seed of sample ``sample_index`` of a request seeded ``seed`` (splitmix64 of the pair), so that
+    requests seeded 1 and 2 with ``n=2`` do not share streams as ``seed + index`` would."""
+    z = (seed * 0x9E3779B97F4A7C15 + (sample_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)

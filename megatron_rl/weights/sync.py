@@ -4,7 +4,7 @@
 
 1. One rank, the *sender* (global rank 0 by default), holds the engine handle. Every other rank that owns
    part of the weights (its TP / EP / PP shard; DP replicas own nothing) sends those pieces straight to the
-   sender, concurrently, cast to the engine's dtype (:mod:`megatron_rl.rollout.weight_links`, ``per_rank``,
+   sender, concurrently, cast to the engine's dtype (:mod:`megatron_rl.weights.links`, ``per_rank``,
    the default): an in-process ``EmbeddedEngine`` receives each piece in place into its parameters; for any
    other engine the sender assembles full HF tensors from the pieces as it streams them. (``per_rank=False``,
    and colocated transports: every rank iterates :func:`megatron_rl.models.weights.iter_hf_weights`, which
@@ -17,7 +17,7 @@
    process; ``RemoteEngine`` posts safetensors buckets to ``/update_weights_from_tensor``
    (``weight_transport="tensor"``) or announces each bucket on ``/update_weights_from_distributed`` and
    broadcasts it over the weight group (``"distributed"``; call ``engine.init_weight_sync(...)`` once).
-   Colocated engines instead take a ``transport`` (:class:`~megatron_rl.rollout.ipc_transport.IpcTransport`)
+   Colocated engines instead take a ``transport`` (:class:`~megatron_rl.rollout.client.ipc_transport.IpcTransport`)
    that *every* rank feeds with its own buckets: each rank beside an engine TP rank hands over its own
    copy by handle (``"ipc"``); the sender then only runs the check.
 4. The check (``config.check``): every rank runs the Megatron model on a fixed pseudo-random probe
@@ -49,81 +49,18 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.protocol import RolloutEngine
-from megatron_rl.rollout.weight_group import dtype_from_name, dtype_name
+from megatron_rl.models import mapping
+from megatron_rl.models.weights import iter_hf_weights
+from megatron_rl.weights import links as weight_links
+from megatron_rl.weights.group import dtype_from_name, dtype_name
+from megatron_rl.weights.probe import (  # noqa: F401 - the check's errors and records are the sync's API too
+    ProbeCheck, WeightMismatchError, WeightSyncError, compare_logprobs, probe_length, probe_tokens,
+    trainer_probe_logprobs,
+)
+from megatron_rl.weights.config import MiB, WeightSyncConfig  # noqa: F401 - imported from here too
+from megatron_rl.weights.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-
-
-class WeightSyncError(RuntimeError):
-    """The sync failed (engine rejected a bucket, a transport error, a failure on another rank)."""
-
-
-class WeightMismatchError(WeightSyncError):
-    """After a sync, the engine's log-probs of the probe differ from the trainer's: garbled weights."""
-
-    def __init__(self, message: str, max_abs_diff: float = math.nan, position: int = -1, replica: int = 0):
-        super().__init__(message)
-        self.max_abs_diff, self.position, self.replica = max_abs_diff, position, replica
-
-
-@dataclass
-class WeightSyncConfig:
-    """``bucket_mb``: bucket size limit (MiB, in the engine dtype). ``check_tolerance``: max |log-prob
-    difference| allowed between engine and trainer on the probe (fp32 both sides: 1e-4; a bf16 engine
-    against an fp32 trainer: ~0.25, see the module doc). ``probe_length`` is capped at the model's
-    context - 1 and rounded down to a multiple of TP (sequence parallelism)."""
-
-    bucket_mb: float = 512.0
-    check: bool = True
-    check_tolerance: Optional[float] = None  # max |diff|; None: 1e-4 for a float32 engine, 1.0 for bf16 / fp16
-    check_mean_tolerance: Optional[float] = None  # mean |diff|; None: none for float32, 0.1 for bf16 / fp16
-    probe_length: int = 256
-    probe_seed: int = 0
-    engine_dtype: Optional[str] = None  # None: an EmbeddedEngine's own dtype, else the trainer's params dtype
-    progress: bool = True  # tqdm bar on the sender (bytes sent)
-    replay_routing: bool = False  # MoE: the trainer's probe forward replays each engine's routing of the probe
-    per_rank: bool = True  # every rank sends the pieces it owns to the sender (weight_links.py); False: all-gather
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
-            raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb!r}: expected a size in MiB > 0 (e.g. 512)")
-        for name in ("check_tolerance", "check_mean_tolerance"):
-            tol = getattr(self, name)
-            if tol is not None and not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
-                raise ValueError(f"weight_sync.{name}={tol!r}: expected a finite number > 0 (or unset: chosen by "
-                                 "the engine's dtype)")
-        if not isinstance(self.probe_length, int) or self.probe_length < 2:
-            raise ValueError(f"weight_sync.probe_length={self.probe_length!r}: expected an integer >= 2 tokens")
-        if self.engine_dtype is not None:
-            try:
-                dtype_from_name(self.engine_dtype)
-            except ValueError as e:
-                raise ValueError(f"weight_sync.engine_dtype: {e}") from None
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * MiB))
-
-    def tolerances(self, engine_dtype: torch.dtype) -> Tuple[float, Optional[float]]:
-        """(max, mean) |log-prob difference| allowed for an engine holding ``engine_dtype`` weights."""
-        exact = engine_dtype in (torch.float32, torch.float64)
-        high = self.check_tolerance if self.check_tolerance is not None else (1e-4 if exact else 1.0)
-        mean = self.check_mean_tolerance if self.check_mean_tolerance is not None else (None if exact else 0.1)
-        return float(high), mean
-
-
-@dataclass
-class ProbeCheck:
-    """Engine vs trainer log-probs of the probe: the worst replica's largest difference and where it was."""
-
-    max_abs_diff: float
-    position: int  # probe position t: the log-prob of token t + 1 given tokens 0..t
-    mean_abs_diff: float
-    length: int  # probe tokens (length - 1 log-probs compared)
-    seconds: float = 0.0
 
 
 @dataclass
@@ -237,150 +174,15 @@ def _drain(it: Iterator) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# The probe
-# ------------------------------------------------------------------------------------------------
-
-
-def probe_tokens(vocab_size: int, length: int, seed: int) -> torch.Tensor:
-    """``[length]`` int64 pseudo-random token ids in ``[0, vocab_size - 1)``, the same on every rank and every
-    run for one seed. (SGLang reports prompt ids ``>= vocab_size - 1`` as 0 in ``input_token_logprobs``, so
-    the answer could not be matched to the probe.)"""
-    g = torch.Generator().manual_seed(int(seed))
-    return torch.randint(0, int(vocab_size) - 1, (int(length),), generator=g)
-
-
-def probe_length(config: WeightSyncConfig, built) -> int:
-    """The probe length actually used: ``config.probe_length`` capped at the context length - 1 (the
-    engine needs room for its one sampled token) and rounded down to a multiple of TP (sequence
-    parallelism splits the sequence over TP ranks; context parallelism into ``2·cp`` chunks, each rank's
-    pair then over TP)."""
-    tp, cp = built.shard.tp.size, built.shard.cp.size
-    n = min(config.probe_length, built.arch.max_position_embeddings - 1)
-    n -= n % (tp * (2 * cp if cp > 1 else 1))
-    if n < 2:
-        raise ValueError(f"weight_sync.probe_length={config.probe_length} leaves a probe of {n} tokens for "
-                         f"max_position_embeddings={built.arch.max_position_embeddings} and TP={tp}")
-    return n
-
-
-def trainer_probe_logprobs(built, ids: torch.Tensor, routes: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[L - 1]`` float32 log-probs of ``ids[1:]`` (teacher-forced, temperature 1) under the Megatron
-    model, returned on every rank. Collective: all ranks run the forward (MoE token dispatch crosses DP
-    ranks); the last PP stage computes the log-probs from its ``[1, L, V_pad/TP]`` logits with
-    ``vocab_parallel_stats`` (padding columns excluded via ``vocab_size``) and broadcasts them over PP.
-    ``routes`` (``[L, MoE layers, topk]``, an engine's routing of ``ids``): replayed in the routers. Under
-    context parallelism each CP rank feeds its zigzag chunks (as the trainer does) and the last stage
-    all-gathers the log-probs over CP."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_rl.objectives.reduce import zigzag_split
-    from megatron_rl.ops import vocab_parallel_stats
-
-    device = next(built.module.parameters()).device
-    n = ids.numel()
-    tp, cp = built.shard.tp, built.shard.cp
-    cols = torch.arange(n) if cp.size == 1 else zigzag_split(torch.arange(n), cp.size, cp.rank)
-    ids = ids.reshape(-1)
-    tokens, positions = ids[cols].view(1, -1).to(device), cols.view(1, -1).to(device)
-    targets = ids[(cols + 1).clamp(max=n - 1)].view(1, -1).to(device)  # the last position's is dropped below
-    if routes is not None:
-        routes = routes[cols]
-    out: Dict[str, torch.Tensor] = {}
-
-    def loss_fn(logits):  # [1, L / CP, V_pad/TP] on the last stage
-        stats = vocab_parallel_stats(logits, targets, tp_group=tp.group if tp.size > 1 else None,
-                                     vocab_size=built.vocab_size)
-        local = stats.logprobs.reshape(-1).float()
-        if cp.size > 1:
-            parts = [torch.empty_like(local) for _ in range(cp.size)]
-            dist.all_gather(parts, local.contiguous(), group=cp.group)
-            every = torch.cat([zigzag_split(torch.arange(n), cp.size, r) for r in range(cp.size)]).to(device)
-            local = torch.empty(n, dtype=local.dtype, device=device).index_copy_(0, every, torch.cat(parts))
-        out["logprobs"] = local[: n - 1]
-        return logits.sum() * 0.0, {}
-
-    def step(_data_iterator, model):
-        return model(tokens, positions, attention_mask=None), loss_fn
-
-    replay = contextlib.nullcontext()
-    if routes is not None:
-        from megatron_rl.models.router import replay_routing
-
-        layers = [i for i, m in enumerate(built.arch.moe_layers) if m]
-        replay = replay_routing(built, {layer: routes[:, k].long() for k, layer in enumerate(layers)})
-    was_training = built.module.training
-    built.module.eval()  # no dropout; restored below so the trainer's mode is untouched
-    try:
-        with torch.no_grad(), replay:
-            get_forward_backward_func()(forward_step_func=step, data_iterator=iter([None]), model=[built.module],
-                                        num_microbatches=1, seq_length=n, micro_batch_size=1, forward_only=True)
-    finally:
-        built.module.train(was_training)
-    logprobs = out.get("logprobs")
-    if logprobs is None:
-        logprobs = torch.empty(n - 1, dtype=torch.float32, device=device)
-    pp = built.shard.pp
-    if pp.size > 1:
-        dist.broadcast(logprobs, src=dist.get_global_rank(pp.group, pp.size - 1), group=pp.group)
-    return logprobs.cpu()
-
-
-def compare_logprobs(trainer: torch.Tensor, engine: torch.Tensor, tolerance: float, ids: torch.Tensor,
-                     where: str = "the engine", mean_tolerance: Optional[float] = None) -> ProbeCheck:
-    """Raise :class:`WeightMismatchError` if ``max |trainer - engine| > tolerance``, or the mean ``>
-    mean_tolerance`` (or anything is not finite); the message names the difference, the worst position
-    and its token."""
-    if tuple(engine.shape) != tuple(trainer.shape):
-        raise WeightMismatchError(f"{where} returned {tuple(engine.shape)} probe log-probs, the trainer "
-                                  f"{tuple(trainer.shape)}: it did not score the whole probe sequence")
-    diff = (trainer.double() - engine.double()).abs()
-    finite = torch.isfinite(diff)
-    if not bool(finite.all()):
-        raise WeightMismatchError(_nonfinite_message(trainer, engine, where), math.inf, int((~finite).nonzero()[0]))
-    pos = int(diff.argmax())
-    max_diff, mean_diff = float(diff[pos]), float(diff.mean())
-    if not (max_diff <= tolerance and (mean_tolerance is None or mean_diff <= mean_tolerance)):
-        limits = f"tolerance {tolerance:g}" + ("" if mean_tolerance is None else f", mean {mean_tolerance:g}")
-        raise WeightMismatchError(
-            f"weight sync check failed ({where}): the engine's log-probs of the probe sequence differ from the "
-            f"trainer's by up to {max_diff:.3g} at probe position {pos} (predicting token id "
-            f"{int(ids[pos + 1])}: trainer {float(trainer[pos]):.6g}, engine {float(engine[pos]):.6g}); mean "
-            f"|diff| {mean_diff:.3g} over {diff.numel()} positions ({limits}). The engine's weights are not the "
-            "trainer's: "
-            "a tensor was dropped, permuted, mis-named or mis-cast on the way, or the engine never got these "
-            "weights (or the tolerance is too tight for a bf16 engine: raise rollout.weight_sync.check_tolerance / check_mean_tolerance).",
-            max_diff, pos)
-    return ProbeCheck(max_diff, pos, mean_diff, len(ids))
-
-
-def _nonfinite_message(trainer: torch.Tensor, engine: torch.Tensor, where: str) -> str:
-    """Which side's probe log-probs are non-finite, where first, and what that points to."""
-    bad_t, bad_e = ~torch.isfinite(trainer), ~torch.isfinite(engine)
-    first = lambda bad: f"{int(bad.sum())} of {bad.numel()}, first at position {int(bad.nonzero()[0])}"  # noqa: E731
-    if bool(bad_t.any()):
-        side = f"the trainer's probe log-probs are non-finite ({first(bad_t)})"
-        if bool(bad_e.any()):
-            side += f", and so are the engine's ({first(bad_e)})"
-        return (f"weight sync check failed ({where}): {side}: the trainer's weights diverged (an update too large: "
-                "lower optim.lr; resume from the last checkpoint)")
-    return (f"weight sync check failed ({where}): the engine's probe log-probs are non-finite ({first(bad_e)}) while "
-            "the trainer's are finite: the weights overflowed on the way (e.g. a bf16 engine) or the engine's own "
-            "numerics failed")
-
-
-# ------------------------------------------------------------------------------------------------
 # The sync
 # ------------------------------------------------------------------------------------------------
 
 
-def _engine_dtype(config: WeightSyncConfig, engine: Optional[RolloutEngine], built) -> torch.dtype:
+def _engine_dtype(config: WeightSyncConfig, engine: Optional[WeightReceiver], built) -> torch.dtype:
     if config.engine_dtype is not None:
         return dtype_from_name(config.engine_dtype)
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-
-    if isinstance(engine, EmbeddedEngine):
-        return next(engine.model.parameters()).dtype
-    return built.tconfig.params_dtype  # SGLang does not report its dtype: say it with engine_dtype
+    own = engine.weights_dtype() if engine is not None else None
+    return own if own is not None else built.tconfig.params_dtype  # SGLang does not report its dtype: engine_dtype
 
 
 class WeightSync:
@@ -392,7 +194,7 @@ class WeightSync:
     its own buckets instead of the sender's ``engine.update_weights``; the engine then serves the check.
     """
 
-    def __init__(self, built, engine: Optional[RolloutEngine], config: Optional[WeightSyncConfig] = None, *,
+    def __init__(self, built, engine: Optional[WeightReceiver], config: Optional[WeightSyncConfig] = None, *,
                  sender_rank: int = 0, group: Optional[dist.ProcessGroup] = None, transport: Any = None):
         self.built, self.engine, self.transport = built, engine, transport
         self.config = config or WeightSyncConfig()
@@ -410,8 +212,6 @@ class WeightSync:
             raise ValueError("WeightSyncConfig.replay_routing needs an MoE model built with routing replay "
                              "(ModelConfig.routing_replay=True)")
         self.dtype = _engine_dtype(self.config, engine, built)
-        from megatron_rl.models import mapping
-
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.total_bytes = sum(math.prod(s) * elem for s in mapping.hf_shapes(built.arch).values())
         self.probe = probe_tokens(built.vocab_size, probe_length(self.config, built), self.config.probe_seed)
@@ -450,8 +250,6 @@ class WeightSync:
     def sync(self, version: Any, check: Optional[bool] = None) -> SyncStats:
         """Push the trainer's current weights to the engine as ``version``, then check (``check``: None ->
         ``config.check``; colocated engines are checked after their KV cache is back, by :meth:`check`)."""
-        from megatron_rl.models.weights import iter_hf_weights
-
         start = time.perf_counter()
         version = str(version)
         error: Optional[BaseException] = None
@@ -483,11 +281,8 @@ class WeightSync:
     def _send_per_rank(self, version: str) -> Tuple[Optional[SyncStats], Tuple[int, float]]:
         """Every rank sends its own pieces to the sender (weight_links.py); returns (the sender's stats, this
         rank's link: bytes, seconds)."""
-        from megatron_rl.rollout import weight_links
-        from megatron_rl.rollout.embedded import EmbeddedEngine
-
         if self._plan is None:
-            direct = self.is_sender and isinstance(self.engine, EmbeddedEngine)
+            direct = self.is_sender and self.engine.receives_in_place()
             self._plan = weight_links.exchange_plan(self.built, self.group, self.sender_group_rank,
                                                     self.dtype if self.is_sender else None, direct)
             self.dtype = self._plan.dtype

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rl.rollout.process import ManagedServer, free_port
+from megatron_rl.rollout.client.process import ManagedServer, free_port
 
 SGLANG_VERSION = "0.5.23"  # the version this module's flags and wire format were written against
 
@@ -87,7 +87,7 @@ def check_sglang_installed() -> str:
     if importlib.util.find_spec("sglang") is None:
         raise ImportError(f"sglang is not installed in {sys.executable}. It needs a CUDA GPU: "
                           f"`pip install sglang=={SGLANG_VERSION}` (or the 'gpu' extra of megatron_rl). "
-                          "Without a GPU use the embedded engine (megatron_rl.rollout.embedded).")
+                          "Without a GPU use the embedded engine (megatron_rl.rollout.embedded.engine).")
     version = importlib.metadata.version("sglang")
     if version != SGLANG_VERSION:
         warnings.warn(f"sglang {version} is installed; megatron_rl is written against {SGLANG_VERSION} "

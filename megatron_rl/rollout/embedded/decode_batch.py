@@ -15,9 +15,9 @@ from typing import Any, List, Optional
 
 import torch
 
-from megatron_rl.rollout.protocol import GenerateRequest, Sample
-from megatron_rl.rollout.sampling import RowParams
-from megatron_rl.rollout.weight_versions import WeightVersionEvent, WeightVersionSpan
+from megatron_rl.rollout.client.protocol import GenerateRequest, Sample
+from megatron_rl.rollout.embedded.sampling import RowParams
+from megatron_rl.rollout.client.weight_versions import WeightVersionEvent, WeightVersionSpan
 
 
 @dataclass
