@@ -19,6 +19,17 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Optional
 
+import torch.distributed as dist
+import yaml
+from megatron.core import dist_checkpointing
+
+from megatron_rl import config_io, parallel
+from megatron_rl.models.build import build_model
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.weights import save_hf_checkpoint
+from megatron_rl.parallel import ParallelLayout
+from megatron_rl.training.checkpoint import iter_name, latest_checkpoint
+
 if TYPE_CHECKING:  # torch and Megatron load when an export runs, not with the command line
     from megatron_rl.models.config import ModelConfig
     from megatron_rl.parallel import ParallelLayout
@@ -28,8 +39,6 @@ _EMBEDDING = "embedding.word_embeddings.weight"
 
 def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
     """An ``iter_*`` directory: ``path`` itself, or the latest (or ``step``'s) under a checkpoint root."""
-    from megatron_rl.training.checkpoint import iter_name, latest_checkpoint
-
     if step is not None:
         found = os.path.join(path, iter_name(step))
     elif os.path.isfile(os.path.join(path, "metadata.json")):
@@ -44,11 +53,6 @@ def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
 
 def _run_config_model(ckpt: str) -> Optional["ModelConfig"]:
     """The ``model`` section of the run's config.yaml (``<run>/checkpoints/iter_N`` -> ``<run>/config.yaml``)."""
-    import yaml
-
-    from megatron_rl import config_io
-    from megatron_rl.models.config import ModelConfig
-
     for up in (2, 3):
         path = os.path.join(os.path.abspath(os.path.join(ckpt, *[".."] * (up - 1))), "config.yaml")
         if os.path.isfile(path):
@@ -60,10 +64,6 @@ def _run_config_model(ckpt: str) -> Optional["ModelConfig"]:
 
 def checkpoint_model_config(ckpt: str, model_path: Optional[str] = None) -> "ModelConfig":
     """The ModelConfig a checkpoint was trained with (``model_path`` replaces its HF directory)."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl.models.config import ModelConfig
-
     saved = dist_checkpointing.load_common_state_dict(ckpt)["trainer"].get("model")
     cfg = ModelConfig(**saved) if saved else _run_config_model(ckpt)
     if cfg is None:
@@ -86,13 +86,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, model_path: Optional[str
 
     Collective over the initialised default process group (``layout`` must fit its size).
     """
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl import parallel
-    from megatron_rl.models.build import build_model
-    from megatron_rl.models.weights import save_hf_checkpoint
-    from megatron_rl.parallel import ParallelLayout
-
     layout = layout or ParallelLayout()
     ckpt = resolve_checkpoint(checkpoint, step)
     cfg = checkpoint_model_config(ckpt, model_path)
@@ -106,7 +99,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, model_path: Optional[str
     loaded = dist_checkpointing.load({"model": built.module.sharded_state_dict()}, ckpt)
     built.module.load_state_dict(loaded["model"])
     save_hf_checkpoint(built, out_dir, src_dir=cfg.hf_path)
-    import torch.distributed as dist
 
     if tokenizer is not None and dist.get_rank() == 0:
         from transformers import AutoTokenizer

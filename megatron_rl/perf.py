@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
 import time
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
@@ -101,7 +102,6 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 

@@ -1,4 +1,5 @@
-"""Run a function on N local processes joined by a gloo (or nccl) process group.
+"""Test support (not part of the package): run a function on N local processes joined by a gloo (or nccl)
+process group.
 
 Used by the distributed tests and by the benchmarks. Every child runs ``fn(*args)`` after the default
 process group is up; the parent returns the per-rank results, or raises with the failing child's

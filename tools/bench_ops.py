@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
 from multiproc import DistributedTestError, run_distributed  # noqa: E402
 

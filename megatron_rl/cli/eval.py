@@ -19,6 +19,20 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
+from transformers import AutoTokenizer
+
+from megatron_rl import config_io
+from megatron_rl.config import EvalConfig, RolloutConfig, load_run_config
+from megatron_rl.config_io import ConfigError
+from megatron_rl.data.prompts import PromptDataset
+from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.data.rewards.runner import RewardRunner
+from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
+from megatron_rl.orchestration.evaluate import Evaluator
+from megatron_rl.orchestration.rollout import RolloutPhase
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.client.http_client import SGLangClient
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="a recipe YAML, a run directory, or an HF model directory")
@@ -46,10 +60,6 @@ def _is_hf_dir(path: str) -> bool:
 
 def resolve(target: str, overrides, model: Optional[str] = None) -> EvalSetup:
     """The model, tokenizer and config sections an evaluation needs (raises ``ConfigError``)."""
-    from megatron_rl import config_io
-    from megatron_rl.config import EvalConfig, RolloutConfig, load_run_config
-    from megatron_rl.data.rewards.config import RewardConfig
-
     if os.path.isdir(target) and os.path.isfile(os.path.join(target, "config.yaml")):  # a run directory
         final = os.path.join(target, "hf_final")
         model = model or (final if _is_hf_dir(final) else None)
@@ -83,10 +93,6 @@ def resolve(target: str, overrides, model: Optional[str] = None) -> EvalSetup:
 def _engine(setup: EvalSetup, closers: list):
     """A RemoteEngine over the servers the rollout config names (started here for embedded / sglang, the way
     the run's engine workers start them, in this process)."""
-    from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
-    from megatron_rl.rollout.client.balancer import RemoteEngine
-    from megatron_rl.rollout.client.http_client import SGLangClient
-
     r = setup.rollout
     if r.engine == "remote":
         urls = list(r.urls)
@@ -107,13 +113,6 @@ def _engine(setup: EvalSetup, closers: list):
 
 def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str, Dict[str, float]]:
     """Per dataset, its metrics (``pass@j``, ``mean@n``, ...)."""
-    from transformers import AutoTokenizer
-
-    from megatron_rl.data.prompts import PromptDataset
-    from megatron_rl.data.rewards.runner import RewardRunner
-    from megatron_rl.orchestration.evaluate import Evaluator
-    from megatron_rl.orchestration.rollout import RolloutPhase
-
     closers: list = []
     try:
         tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer)
@@ -140,8 +139,6 @@ def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.config_io import ConfigError
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         setup = resolve(args.target, args.overrides, args.model)

@@ -14,6 +14,16 @@ import os
 import signal
 import sys
 
+from tqdm.auto import tqdm
+
+from megatron_rl.config import dump_yaml, load_run_config
+from megatron_rl.config_io import ConfigError
+from megatron_rl.orchestration.driver import train
+from megatron_rl.orchestration.failures import user_errors
+from megatron_rl.orchestration.signals import Interrupted
+from megatron_rl.training.checkpoint import latest_checkpoint
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="the run's YAML recipe, e.g. examples/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -27,8 +37,6 @@ class _TqdmHandler(logging.Handler):
     """Log lines go through tqdm.write, so they print above the progress bars instead of through them."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm.auto import tqdm
-
         try:
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging must never raise
@@ -42,9 +50,6 @@ def _setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_rl.config import dump_yaml, load_run_config
-    from megatron_rl.config_io import ConfigError
-
     _setup_logging(args.log_level)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -58,9 +63,6 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dump_yaml(cfg), end="")
         return 0
-    from megatron_rl.orchestration.driver import train
-    from megatron_rl.orchestration.failures import user_errors
-    from megatron_rl.orchestration.signals import Interrupted
 
     try:
         history = train(cfg)
@@ -83,8 +85,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resume_hint(cfg, stop: BaseException) -> str:
-    from megatron_rl.training.checkpoint import latest_checkpoint
-
     step = getattr(stop, "checkpoint_step", None)
     if step is not None:
         return f"checkpointed step {step} first; resume=true continues from it"

@@ -17,8 +17,27 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from transformers import AutoConfig
 
-from megatron_rl.models.config import HFArch, ModelConfig, padded_vocab_size, transformer_config
+from megatron_rl import compat
+from megatron_rl.models.config import (
+    HFArch,
+    ModelConfig,
+    padded_vocab_size,
+    transformer_config,
+)
+from megatron_rl.models.spec import decoder_block_spec
 from megatron_rl.parallel import ParallelGroups
 
 
@@ -82,16 +101,11 @@ class BuiltModel:
 
 
 def load_arch(hf_path: str) -> HFArch:
-    from transformers import AutoConfig
-
     return HFArch.from_hf(AutoConfig.from_pretrained(hf_path))
 
 
 def _shard_layout(tconfig, groups: ParallelGroups) -> ShardLayout:
     # Megatron's parallel_state is read here, at the edge (expert-TP is not in ParallelGroups).
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     lay = groups.layout
     stages = tuple(
@@ -121,10 +135,6 @@ def _mark_tensor_parallel_weights(module, tconfig) -> None:
     de-duplicates over TP (grad norm and clipping, zero counting) treats sharded weights as replicated
     and counts only TP rank 0's shard: the grad norm at TP=2 came out ~30 % low.
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
-    )
-
     for name, m in module.named_modules():
         if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
@@ -146,12 +156,6 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool 
     Without ``load_weights`` the parameters are randomly initialised from ``cfg.seed`` (identical
     across layouts because Megatron's CPU initialisation draws full tensors, then slices them).
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from megatron_rl import compat
-    from megatron_rl.models.spec import decoder_block_spec
-
     compat.apply()
     arch = load_arch(cfg.hf_path)
     # Loading overwrites every parameter: skip the (slow, full-size on CPU) random initialisation.

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state as ps
 
 from megatron_rl.models import mapping
 from megatron_rl.models.mapping import QKVLayout, shard_range
+from megatron_rl.models.weights import _local_param, _owner_stage
 
 Box = Tuple[Tuple[int, int], ...]
 
@@ -57,8 +59,6 @@ def _rows(shape, r0: int, r1: int) -> Box:
 
 def _replica_ranks() -> Tuple[int, int]:
     """(data-parallel rank incl. context parallelism, expert-data-parallel rank); (0, 0) outside Megatron."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         return 0, 0
     return ps.get_data_parallel_rank(with_context_parallel=True), ps.get_expert_data_parallel_rank()
@@ -111,8 +111,6 @@ def _unit_pieces(built, unit: mapping.Unit, target) -> List[Tuple[Piece, torch.T
 def owned_pieces(built) -> Iterator[Tuple[Piece, torch.Tensor]]:
     """This rank's pieces in the stable export order (units, then HF names). Tensors may be views of the
     parameters (a fused QKV shard's q/k/v rows are strided: ``.contiguous()`` before sending)."""
-    from megatron_rl.models.weights import _local_param, _owner_stage
-
     dp, edp = _replica_ranks()
     layers = dict(built.layers())
     for unit in mapping.units(built.arch):

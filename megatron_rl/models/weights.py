@@ -22,6 +22,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from megatron_rl.models import mapping
 from megatron_rl.models.build import Axis, BuiltModel
@@ -34,8 +36,6 @@ class SafetensorsDir:
     """Random access to the tensors of an HF safetensors directory, reading slices only."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         self._open = safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -289,8 +289,6 @@ def save_hf_checkpoint(
     there are several). Non-weight files of ``src_dir`` (default: ``built.cfg.hf_path``) —
     ``config.json``, generation config, tokenizer — are copied alongside.
     """
-    from safetensors.torch import save_file
-
     writer = not dist.is_initialized() or dist.get_rank() == 0
     src_dir = src_dir or built.cfg.hf_path
     shards: List[Dict[str, str]] = []

@@ -24,11 +24,23 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+import ray
+import torch
+import torch.distributed as dist
+
+from megatron_rl import parallel
 from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.weights import save_hf_checkpoint
 from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.parallel import ParallelLayout
-from megatron_rl.weights.config import WeightSyncConfig
+from megatron_rl.orchestration.failures import identity
+from megatron_rl.parallel import ParallelLayout, default_backend
+from megatron_rl.profiling import Capture
+from megatron_rl.training import PolicyTrainer
+from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.training.offload import TrainerOffload, memory_snapshot, reset_peak
+from megatron_rl.weights.config import WeightSyncConfig
+from megatron_rl.weights.sync import WeightSync, WeightSyncError
 
 
 @dataclass
@@ -56,7 +68,6 @@ def _quiet_warnings() -> None:
 class TrainerWorker:
     def __init__(self, rank: int, world_size: int, spec: TrainerSpec):
         _quiet_warnings()
-        import torch
 
         torch.set_num_threads(spec.threads)
         self.rank, self.world_size, self.spec = rank, world_size, spec
@@ -74,18 +85,11 @@ class TrainerWorker:
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
         """(this node's IP, the port of the rendezvous store it now hosts); called on rank 0 only."""
-        import ray
-
-        from megatron_rl import parallel
-
         ip = ray.util.get_node_ip_address()
         self._store = parallel.rendezvous_store(ip, 0, self.world_size, is_master=True)
         return ip, self._store.port
 
     def setup(self, master_addr: str, master_port: int) -> Dict[str, int]:
-        from megatron_rl import parallel
-        from megatron_rl.training import PolicyTrainer
-
         spec = self.spec
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
@@ -98,9 +102,6 @@ class TrainerWorker:
         if spec.ref_logprobs_model is not None:
             plain = dataclasses.replace(spec.train, reference_model=None, objective=ObjectiveConfig())
             self.ref = PolicyTrainer(spec.ref_logprobs_model, plain, groups)
-        import torch.distributed as dist
-
-        from megatron_rl.orchestration.failures import identity
 
         info = dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                     cp_rank=groups.cp_rank, dp=dist.get_world_size(groups.dp),
@@ -141,15 +142,11 @@ class TrainerWorker:
     # ---- colocated memory ------------------------------------------------------------------------------
     def device_ids(self) -> Tuple[str, List[str]]:
         """(Ray node id, the GPU ids Ray gave this rank): where a colocated engine's TP rank must run."""
-        import ray
-
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
 
     def offload(self) -> Dict[str, float]:
         """Optimizer state and gradient buffers to host memory; the memory resident now (``memory/sync/``)
         and the peak since :meth:`reload` (``memory/train/gpu_peak_allocated_gib``)."""
-        from megatron_rl.training.offload import TrainerOffload, memory_snapshot
-
         if self.offloader is None:
             self.offloader = TrainerOffload(self.trainer.ddp, self.trainer.optimizer, self.trainer.module)
         peak = memory_snapshot("").get("gpu_peak_allocated_gib")
@@ -162,8 +159,6 @@ class TrainerWorker:
 
     def reload(self) -> Dict[str, float]:
         """Back from host memory (engines have released theirs); the memory resident now (``memory/train/``)."""
-        from megatron_rl.training.offload import memory_snapshot, reset_peak
-
         if self.offloader is not None:
             self.offloader.reload()
         reset_peak()
@@ -172,8 +167,6 @@ class TrainerWorker:
         return out
 
     def memory(self, prefix: str) -> Dict[str, float]:
-        from megatron_rl.training.offload import memory_snapshot
-
         return memory_snapshot(prefix)
 
     def _require_loaded(self, what: str) -> None:
@@ -183,8 +176,6 @@ class TrainerWorker:
 
     # ---- profiling -----------------------------------------------------------------------------------
     def start_profile(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
-        from megatron_rl.profiling import Capture
-
         self.capture = self.capture or Capture()
         self.capture.start(path, record_shapes, with_stack)
 
@@ -198,8 +189,6 @@ class TrainerWorker:
         hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport).
         ``pause_mode="in_place"`` (partial rollouts): each sync holds the engines' running requests in place
         around the update."""
-        from megatron_rl.weights.sync import WeightSync
-
         self._transport = transport
         self._group_timeout_s = timeout_s
         self._ipc = None
@@ -227,19 +216,12 @@ class TrainerWorker:
         """The distributed transport's weight group over ``engine``'s servers, hosted here (rank 0)."""
         if engine.weight_transport != "distributed":
             return
-        import ray
-
-        from megatron_rl.parallel import default_backend
 
         engine.init_weight_sync(ray.util.get_node_ip_address(), 0, backend=self.spec.backend or default_backend(),
                                 timeout_s=self._group_timeout_s)
 
     def _on_rank0(self, fn) -> None:
         """Collective: run ``fn`` on rank 0 and raise on every rank if it failed (no rank left in a later gather)."""
-        import torch.distributed as dist
-
-        from megatron_rl.weights.sync import WeightSyncError
-
         error = None
         if self.rank == 0:
             try:
@@ -269,8 +251,6 @@ class TrainerWorker:
         """Collective: engine ``index`` was restarted at ``url``; give that server alone the current weights (and the
         probe check, if configured). The full weight group, if any, lacks the new server: it is rebuilt at the next
         :meth:`sync_weights`."""
-        from megatron_rl.weights.sync import WeightSync
-
         self._regroup = self._transport == "distributed"
         engines = []
 
@@ -295,26 +275,18 @@ class TrainerWorker:
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, ckpt_cfg, extra: Dict[str, Any], step: int) -> str:
-        from megatron_rl.training.checkpoint import save_checkpoint
-
         self._require_loaded("save_checkpoint")
         return save_checkpoint(self.trainer, ckpt_cfg, extra, step=step)
 
     def load_checkpoint(self, root: str, step: Optional[int] = None):
-        from megatron_rl.training.checkpoint import load_checkpoint
-
         self._require_loaded("load_checkpoint")
         result = load_checkpoint(self.trainer, root, step)
         return result if self.rank == 0 else None
 
     def save_hf(self, path: str) -> None:
-        from megatron_rl.models.weights import save_hf_checkpoint
-
         save_hf_checkpoint(self.trainer.built, path)
 
     def shutdown(self) -> None:
-        from megatron_rl import parallel
-
         if self.engine is not None:
             self.engine.shutdown()
         parallel.destroy()

@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron_rl.models.router import FREE, check_expert_ids
+from megatron_rl.rollout.client.protocol import ExpertLayout
 
 Tensor = torch.Tensor
 _P = (1 << 31) - 1  # checksum modulus (a Mersenne prime); products stay inside int64
@@ -54,8 +55,6 @@ class RoutingLayout:
 def expert_layout(arch):
     """The engines' view of an MoE model (:class:`~megatron_rl.rollout.client.protocol.ExpertLayout`): which decoder
     layers route (SGLang's routed-experts rows cover every layer) and how many experts per token."""
-    from megatron_rl.rollout.client.protocol import ExpertLayout
-
     return ExpertLayout(tuple(bool(m) for m in arch.moe_layers), arch.moe_topk)
 
 

@@ -20,15 +20,19 @@ from typing import Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from megatron_rl.training.config import OptimConfig
 
 
 def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):
     """Wrap ``module`` (this rank's GPTModel stage) in Megatron DDP and build the Megatron optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         grad_reduce_in_fp32=True,  # bf16 models still accumulate and reduce gradients in fp32
@@ -62,8 +66,6 @@ def _leaf_optimizers(optimizer):
 
 
 def _clip(optimizer, max_norm: float, total_norm: float) -> None:
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     for opt in _leaf_optimizers(optimizer):
         if getattr(opt, "is_stub_optimizer", False):
             continue

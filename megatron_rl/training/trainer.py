@@ -28,21 +28,31 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from megatron_rl.lr_schedules import LRSchedule, set_lr
 from megatron_rl.models.build import BuiltModel, build_model, load_arch
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig, ReduceGroups, step_normalizer
 from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response_length
 from megatron_rl.parallel import ParallelGroups
-from megatron_rl.routing.trainer import TrainerRouting
-from megatron_rl.lr_schedules import LRSchedule, set_lr
 from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
 from megatron_rl.training.config import OptimConfig, TrainConfig
-from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_groups, packed_lengths, stream_multiple
+from megatron_rl.training.micro_batch import (
+    build_micro_batches,
+    fixed_size_groups,
+    packed_lengths,
+    stream_multiple,
+)
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches
-from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics
+from megatron_rl.training.results import (
+    ForwardResult,
+    StepResult,
+    merge_micro_batch_metrics,
+)
+from megatron_rl.training.routing import TrainerRouting
 from megatron_rl.training.token_budget import WorkModel, imbalance, pack
 
 logger = logging.getLogger(__name__)
@@ -71,8 +81,6 @@ class PolicyTrainer:
 
     def __init__(self, model: ModelConfig, train: TrainConfig, groups: ParallelGroups,
                  optim: Optional[OptimConfig] = None, *, load_weights: bool = True) -> None:
-        from megatron.core import parallel_state as ps
-
         self.cfg, self.optim_cfg, self.groups = train, optim, groups
         pp = groups.layout.pp
         self.built: BuiltModel = build_model(pipeline_ready(model, pp), groups, load_weights=load_weights)

@@ -24,6 +24,14 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+)
+
+from megatron_rl.parallel import rendezvous_store
 
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one-buffer buckets
 
@@ -32,8 +40,6 @@ def host_store(master_address: str, world_size: int, timeout_s: float = 300.0, p
     """Rank 0's store, listening on ``master_address`` only (a plain ``TCPStore`` listens on every interface:
     a local run's would be reachable from the network). ``port=0``: a port the OS picks and the store holds
     (``.port``), no race with other processes for a port probed as free and bound later."""
-    from megatron_rl.parallel import rendezvous_store
-
     return rendezvous_store(master_address, int(port), world_size, is_master=True, timeout_s=timeout_s)
 
 
@@ -43,8 +49,6 @@ def create_weight_group(master_address: str, master_port: int, rank: int, world_
     """Join (rank > 0) or host (rank 0) the weight-sync group; blocks until all ``world_size`` ranks arrive.
     Rank 0 may pass the ``store`` it already hosts (:func:`host_store`). A ``group_name`` can exist once per
     process: :func:`destroy_weight_group` it before re-creating it."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     if not (0 <= rank < world_size):
         raise ValueError(f"rank={rank} outside world_size={world_size}")
     if backend not in ("gloo", "nccl"):

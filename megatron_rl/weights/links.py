@@ -30,6 +30,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_rl.models import mapping
 from megatron_rl.models.shards import Piece, owned_pieces
 
 
@@ -154,8 +155,6 @@ def assemble_stream(built, plan: Plan, me: int, group) -> Iterator[Tuple[str, to
     """The sender's part for an engine that takes full HF tensors: ``(name, tensor)`` in export order, each
     assembled from its owners' pieces (a tensor the sender owns whole is yielded as is, maybe a view of the
     parameter). Must be consumed to the end: the peers are sending."""
-    from megatron_rl.models import mapping
-
     own = owned_pieces(built)
     queues = [deque(ps) for ps in plan.pieces]
     present = {p.name for ps in plan.pieces for p in ps}

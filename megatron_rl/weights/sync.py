@@ -48,16 +48,22 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megatron_rl.models import mapping
 from megatron_rl.models.weights import iter_hf_weights
 from megatron_rl.weights import links as weight_links
+from megatron_rl.weights.config import MiB, WeightSyncConfig  # noqa: F401 - imported from here too
 from megatron_rl.weights.group import dtype_from_name, dtype_name
 from megatron_rl.weights.probe import (  # noqa: F401 - the check's errors and records are the sync's API too
-    ProbeCheck, WeightMismatchError, WeightSyncError, compare_logprobs, probe_length, probe_tokens,
+    ProbeCheck,
+    WeightMismatchError,
+    WeightSyncError,
+    compare_logprobs,
+    probe_length,
+    probe_tokens,
     trainer_probe_logprobs,
 )
-from megatron_rl.weights.config import MiB, WeightSyncConfig  # noqa: F401 - imported from here too
 from megatron_rl.weights.receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -141,8 +147,6 @@ class _Meter:
     (drawn here, or by whoever ``report(desc, done, total, unit)`` reports to)."""
 
     def __init__(self, total_bytes: int, desc: str, progress: bool, report=None):
-        from tqdm import tqdm
-
         self.desc, self.total, self.report = desc, total_bytes, report if progress else None
         self.sent = 0
         self.bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,

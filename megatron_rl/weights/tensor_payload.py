@@ -42,10 +42,14 @@ import contextlib
 import io
 import pickle
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.multiprocessing
+import torch.multiprocessing as tmp
+from torch.multiprocessing import reductions
 
 FLATTENED = "flattened_bucket"
 LOAD_FORMATS = (None, FLATTENED)
@@ -83,8 +87,6 @@ def view_of(flat: torch.Tensor, meta: SimpleNamespace) -> torch.Tensor:
 def _reduce_cuda_by_uuid(tensor: torch.Tensor):
     """``torch.multiprocessing.reductions.reduce_tensor`` with the device index replaced by its UUID
     (argument 6 of ``rebuild_cuda_tensor``), as SGLang's patched reducer sends it."""
-    from torch.multiprocessing import reductions
-
     rebuild, args = reductions.reduce_tensor(tensor)
     if rebuild is reductions.rebuild_cuda_tensor and isinstance(args[6], int):  # (not if SGLang patched torch here)
         args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
@@ -93,8 +95,6 @@ def _reduce_cuda_by_uuid(tensor: torch.Tensor):
 
 @contextlib.contextmanager
 def _file_system_sharing():
-    import torch.multiprocessing as tmp
-
     before = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
@@ -105,10 +105,6 @@ def _file_system_sharing():
 
 def _dump(obj: Any, cuda: bool) -> str:
     """base64 of ``MultiprocessingSerializer.serialize(obj)``: ``ForkingPickler``, CUDA devices by UUID."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (registers torch's reducers with ForkingPickler)
-
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     if cuda:
@@ -168,8 +164,6 @@ def _device_index(device: Any) -> int:
 
 
 def _rebuild_cuda_tensor_by_uuid(*args):
-    from torch.multiprocessing import reductions
-
     return reductions.rebuild_cuda_tensor(*args[:6], _device_index(args[6]), *args[7:])
 
 

@@ -13,7 +13,6 @@ The numbers are printed (``pytest -s``) as the table quoted in the issue's closi
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

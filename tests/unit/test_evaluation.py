@@ -3,7 +3,6 @@ and the ``eval.data`` alias, and ``megatron-rl eval`` stand-alone on the tiny ta
 
 import itertools
 import json
-import math
 
 import pytest
 

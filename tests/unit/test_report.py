@@ -5,7 +5,6 @@ The tiny recipe's own report is rendered by tests/e2e/test_train_run.py."""
 import json
 import math
 
-import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.report import Metrics, render

@@ -18,7 +18,6 @@ The SGLang venv comes from ``scripts/setup_sglang_venv.sh`` (``scripts/test.sh``
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch

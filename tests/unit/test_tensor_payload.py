@@ -10,7 +10,6 @@ it prints per-tensor checksums. Where: ``$SGLANG_VENV`` (default ``<repo>/.venv-
 """
 
 import base64
-import io
 import json
 import os
 import pickle

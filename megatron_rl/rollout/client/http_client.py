@@ -28,12 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.client
-import threading
 import json
 import logging
 import os
 import secrets
 import socket
+import tempfile
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -42,9 +43,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.client.protocol import (
+    ExpertLayout,
+    GenerateRequest,
+    Sample,
+    derive_seed,
+)
 from megatron_rl.weights import group as weight_group
-from megatron_rl.rollout.client.protocol import ExpertLayout, GenerateRequest, Sample
-from megatron_rl.rollout.client.protocol import derive_seed
+from megatron_rl.weights.tensor_payload import request_body
 
 log = logging.getLogger(__name__)
 
@@ -313,14 +319,10 @@ class SGLangClient:
 
     def update_weights_from_payloads(self, payloads: List[str], load_format: Optional[str] = None) -> None:
         """SGLang's own format: one ``tensor_payload`` payload per server TP rank (colocated placement)."""
-        from megatron_rl.weights.tensor_payload import request_body
-
         self._expect_success(self.request("POST", "/update_weights_from_tensor", request_body(payloads, load_format)))
 
     def _send_bucket_file(self, bucket: Sequence[Tuple[str, torch.Tensor]]) -> bool:
         """Post ``bucket`` as a shared-memory file; False (bytes from now on) if the server cannot read it."""
-        import tempfile
-
 
         fd, path = tempfile.mkstemp(prefix=wire.WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=wire.shared_dir())
         os.close(fd)

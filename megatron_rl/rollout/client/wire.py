@@ -32,13 +32,18 @@ import os
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+from safetensors.torch import load, save, save_file
 
 from megatron_rl.rollout.client.protocol import (
-    ExpertLayout, GenerateRequest, Sample, SamplingParams, SamplingParamsError,
+    ExpertLayout,
+    GenerateRequest,
+    Sample,
+    SamplingParams,
+    SamplingParamsError,
 )
 from megatron_rl.rollout.client.weight_versions import spans_from_meta, spans_to_meta
-
 
 WEIGHT_FILE_PREFIX = "mrl-weights-"  # the only files load_format="safetensors_file" may name
 
@@ -234,8 +239,6 @@ def encode_routed(routes: torch.Tensor) -> str:
 
 def decode_routed(b64: str, layout: ExpertLayout) -> torch.Tensor:
     """SGLang's ``routed_experts`` -> ``[rows, moe layers, topk]`` int32 (dense layers' zero columns dropped)."""
-    import numpy as np
-
     flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
     per_row = layout.num_layers * layout.topk
     if flat.size % per_row:
@@ -426,19 +429,13 @@ def _cpu_tensors(bucket: Sequence[Tuple[str, torch.Tensor]]) -> Dict[str, torch.
 
 def encode_bucket(bucket: Sequence[Tuple[str, torch.Tensor]]) -> str:
     """A bucket as base64 safetensors bytes (``load_format="safetensors"``)."""
-    from safetensors.torch import save
-
     return base64.b64encode(save(_cpu_tensors(bucket))).decode("ascii")
 
 
 def write_bucket_file(bucket: Sequence[Tuple[str, torch.Tensor]], path: str) -> None:
     """A bucket as a safetensors file at ``path`` (``load_format="safetensors_file"``)."""
-    from safetensors.torch import save_file
-
     save_file(_cpu_tensors(bucket), path)
 
 
 def decode_bucket(b64: str) -> List[Tuple[str, torch.Tensor]]:
-    from safetensors.torch import load
-
     return list(load(base64.b64decode(b64)).items())

@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from megatron_rl.rollout.client.protocol import GenerateRequest, Sample
+from megatron_rl.rollout.client.weight_versions import (
+    WeightVersionEvent,
+    WeightVersionSpan,
+)
 from megatron_rl.rollout.embedded.sampling import RowParams
-from megatron_rl.rollout.client.weight_versions import WeightVersionEvent, WeightVersionSpan
 
 
 @dataclass
@@ -67,8 +71,6 @@ class Row:
 
 
 def _dynamic_layers(cache: Any) -> Optional[list]:
-    from transformers.cache_utils import DynamicLayer
-
     layers = getattr(cache, "layers", None)
     if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
         return layers

@@ -32,18 +32,22 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from megatron_rl.rollout.client.protocol import (
+    LOGPROB_MODES,
+    EngineHealth,
+    GenerateRequest,
+    RolloutEngine,
+    Sample,
+    derive_seed,
+)
+from megatron_rl.rollout.client.weight_versions import compute_spans, record_event
 from megatron_rl.rollout.embedded.decode_batch import DecodeBatch, Row
 from megatron_rl.rollout.embedded.hf_weights import HFWeightTarget
-from megatron_rl.rollout.client.protocol import (
-    LOGPROB_MODES, EngineHealth, GenerateRequest, RolloutEngine, Sample,
-)
 from megatron_rl.rollout.embedded.routing import RoutingRecorder
-from megatron_rl.rollout.client.protocol import derive_seed
 from megatron_rl.rollout.embedded.sampling import make_generator, sample_next
-from megatron_rl.rollout.client.weight_versions import compute_spans, record_event
 from megatron_rl.weights.receiver import NamedTensorBucket
-
 
 SEED_MODES = ("derived", "deterministic", "ignored")
 SGLANG_DEFAULT_SEED = 42  # what SGLang's deterministic sampler uses for a request without sampling_seed
@@ -130,8 +134,6 @@ class EmbeddedEngine(RolloutEngine):
     @classmethod
     def from_pretrained(cls, path: str, config: Optional[EmbeddedEngineConfig] = None,
                         dtype: torch.dtype = torch.float32, device: str = "cpu") -> "EmbeddedEngine":
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         return cls(model, config)
 

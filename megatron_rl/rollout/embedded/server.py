@@ -51,14 +51,20 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
+
+from megatron_rl.profiling import Capture
 from megatron_rl.rollout.client import wire
-from megatron_rl.weights import group as weight_group
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.embedded.engine import (
-    EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError, SamplerAssertionError,
+    EmbeddedEngine,
+    EmbeddedEngineConfig,
+    EngineUnavailableError,
+    SamplerAssertionError,
 )
 from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
-from megatron_rl.rollout.client.protocol import GenerateRequest
+from megatron_rl.weights import group as weight_group
 
 log = logging.getLogger(__name__)
 
@@ -428,8 +434,6 @@ class EmbeddedServer:
     def _start_profile(self, body):
         """SGLang's ``ProfileReq`` fields we honour: ``output_dir`` (SGLang's default: $SGLANG_TORCH_PROFILER_DIR,
         else /tmp), ``record_shapes``, ``with_stack``; one Chrome trace of this process, every thread."""
-        from megatron_rl.profiling import Capture
-
         body = body or {}
         out = body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
         os.makedirs(out, exist_ok=True)
@@ -502,8 +506,6 @@ class EmbeddedServer:
 
 
 def _health_params():
-    from megatron_rl.rollout.client.protocol import SamplingParams
-
     return SamplingParams(temperature=0.0, max_new_tokens=1)
 
 
@@ -593,7 +595,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--health-timeout", type=float, default=20.0, help="seconds without progress before /health is 503")
     p.add_argument("--tp-size", type=int, default=1, help="TP ranks emulated for tensor payloads (see the module doc)")
     args = p.parse_args(argv)
-    import torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     engine = EmbeddedEngine.from_pretrained(

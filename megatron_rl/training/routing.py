@@ -27,9 +27,20 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.router import record_routing, replay_routing, tokens_from_batch_major
-from megatron_rl.routing.agreement import AgreementTracker, mismatch_metrics, mismatch_sums, reduce_sum
+from megatron_rl.models.router import (
+    record_routing,
+    replay_routing,
+    tokens_from_batch_major,
+)
+from megatron_rl.routing.agreement import (
+    AgreementTracker,
+    mismatch_metrics,
+    mismatch_sums,
+    reduce_sum,
+)
 from megatron_rl.routing.align import RoutingLayout, check_route_checksums
+from megatron_rl.training import loss_glue
+from megatron_rl.training.pipeline import run_micro_batches
 
 
 def _moe_layers(built) -> List[int]:
@@ -149,9 +160,6 @@ class TrainerRouting:
     @torch.no_grad()
     def without_replay(self, batch, mbs) -> Dict[str, float]:
         """One forward-only pass with the trainer's own routing: ``routing/no_replay/*`` metrics."""
-        from megatron_rl.training import loss_glue
-        from megatron_rl.training.pipeline import run_micro_batches
-
         t = self._t
         self.check_batch(batch)
         tracker = AgreementTracker(*batch.response_mask.shape, self.moe_layers)
