@@ -31,12 +31,7 @@ from typing import Dict, List
 import torch
 import transformers
 
-from megatron_rl.data.arithmetic import (
-    all_problems,
-    generate_problems,
-    write_arithmetic_dataset,
-    write_jsonl,
-)
+from megatron_rl.data.arithmetic import all_problems, generate_problems, write_arithmetic_dataset, write_jsonl
 from megatron_rl.data.tiny_tokenizer import make_tiny_tokenizer
 
 logger = logging.getLogger(__name__)

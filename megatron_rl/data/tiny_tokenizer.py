@@ -59,14 +59,7 @@ CHAT_TEMPLATE = (
 
 def build_tiny_tokenizer() -> Any:
     """The tokenizer in memory (a ``transformers`` fast tokenizer); see the module docstring for ids."""
-    from tokenizers import (
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     tokens = _SPECIAL + _CHARS + _RESERVED
     assert len(tokens) == TINY_VOCAB_SIZE and len(set(tokens)) == TINY_VOCAB_SIZE

@@ -6,7 +6,7 @@ is produced by exactly one rank of the job: data-parallel (and context-parallel)
 (``dp`` rank 0 does; expert-data-parallel rank 0 for experts), a TP-replicated tensor (norms, router)
 comes from TP rank 0, and a TP / expert-TP / EP shard is cut into the HF boxes it fills (a fused QKV shard
 into its q, k and v rows, a gate|up shard into two row ranges, a row-parallel shard into a column range,
-the padded vocabulary's tail dropped). The weight sync (``rollout/weight_sync.py``) sends each piece
+the padded vocabulary's tail dropped). The weight sync (``weights/sync.py``) sends each piece
 straight from its owner to the engine side, which assembles: no all-gather, no rank that sees everything.
 """
 

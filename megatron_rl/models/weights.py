@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_rl.models import mapping
-from megatron_rl.models.build import Axis, BuiltModel
+from megatron_rl.models.built import Axis, BuiltModel
 from megatron_rl.models.mapping import QKVLayout, Unit, shard_range
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -197,7 +197,7 @@ def _gather(t: torch.Tensor, axis: Axis) -> List[torch.Tensor]:
         dist.all_gather(out, t, group=axis.group)
         return out
     # gloo's all_gather moves MB-sized tensors 3-4x slower than its send/recv on a small CPU machine (2 ranks:
-    # 37 MB in 121 ms vs 36 ms, rollout/weight_links.py): exchange the shards pairwise instead
+    # 37 MB in 121 ms vs 36 ms, weights/links.py): exchange the shards pairwise instead
     n, r = axis.size, axis.rank
     out[r] = t
     works = []

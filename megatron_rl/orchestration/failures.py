@@ -16,9 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_rl.rollout.client.http_client import ServerUnavailableError
 from megatron_rl.training.checkpoint_integrity import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    CheckpointSpaceError,
+    CheckpointCorruptError, CheckpointMismatchError, CheckpointSpaceError,
 )
 from megatron_rl.weights.sync import WeightSyncError
 

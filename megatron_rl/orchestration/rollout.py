@@ -26,8 +26,8 @@ import numpy as np
 from megatron_rl.config import RolloutConfig
 from megatron_rl.data.prompts import PromptRecord
 from megatron_rl.data.rewards.runner import FAILURE_KINDS, RewardRunner
-from megatron_rl.diagnostics import reward_entropy_bits
 from megatron_rl.data.sampler import PromptSampler
+from megatron_rl.diagnostics import reward_entropy_bits
 from megatron_rl.metrics import progress
 from megatron_rl.orchestration.activity import BusyMeter
 from megatron_rl.rollout.client.protocol import GenerateRequest, RolloutEngine, Sample, SamplingParams

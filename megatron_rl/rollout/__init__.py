@@ -11,5 +11,10 @@ Trainer -> engine weight transport (the group, per-rank links, tensor payloads, 
 """
 
 from megatron_rl.rollout.client.protocol import (  # noqa: F401
-    LOGPROB_MODES, EngineHealth, GenerateRequest, RolloutEngine, Sample, SamplingParams,
+    LOGPROB_MODES,
+    EngineHealth,
+    GenerateRequest,
+    RolloutEngine,
+    Sample,
+    SamplingParams,
 )

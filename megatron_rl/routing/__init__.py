@@ -11,19 +11,9 @@ The PolicyTrainer's glue (replay contexts for every pass, metrics, the mask's in
 """
 
 from megatron_rl.models.router import FREE
-from megatron_rl.routing.agreement import (
-    AgreementTracker,
-    mismatch_metrics,
-    mismatch_sums,
-    same_sets,
-)
+from megatron_rl.routing.agreement import AgreementTracker, mismatch_metrics, mismatch_sums, same_sets
 from megatron_rl.routing.align import (
-    RoutingLayout,
-    attach_routes,
-    check_route_checksums,
-    routes_for_samples,
-    sample_routes,
-    token_checksum,
+    RoutingLayout, attach_routes, check_route_checksums, routes_for_samples, sample_routes, token_checksum,
 )
 from megatron_rl.routing.config import RoutingDiagnosticsConfig
 

@@ -8,9 +8,13 @@
   pipeline.py    run micro-batches through get_forward_backward_func
   optim.py       Megatron DDP + optimizer; the guarded (skip-on-non-finite) optimizer step
   trainer.py     PolicyTrainer: forward() and train_step(); the loss-scaling derivation
+  trainer_batches.py  its micro-batches of a batch (fixed count or token budget), batch checks and metrics
+  trainer_passes.py   its passes besides the train step: reference logits, statistics, result assembly
   routing.py     the PolicyTrainer's MoE routing glue: replay contexts for every pass, metrics, the mask's input
   results.py     StepResult, ForwardResult, metric merging
+  head.py        the fused output layer (train.fused_head): the loss from the output layer's input and weight
   checkpoint.py  dist-checkpointing save/load: atomic, resharding, keep-last-K
+  checkpoint_integrity.py  checkpoint integrity checks and disk space
   offload.py     TrainerOffload: optimizer state + gradient buffers to host memory and back (colocated)
 """
 

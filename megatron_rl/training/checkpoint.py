@@ -62,9 +62,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_rl.training import checkpoint_integrity as integrity
 from megatron_rl.training.checkpoint_integrity import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    CheckpointSpaceError,
+    CheckpointCorruptError, CheckpointMismatchError, CheckpointSpaceError,
 )
 
 logger = logging.getLogger(__name__)

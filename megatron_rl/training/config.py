@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
+from megatron_rl.lr_schedules import LRScheduleConfig
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.routing.config import RoutingDiagnosticsConfig
-from megatron_rl.lr_schedules import LRScheduleConfig
 
 _DEFAULT_SCHEDULE_LR = LRScheduleConfig().lr
 

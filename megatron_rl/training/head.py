@@ -23,11 +23,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_rl.ops import (
-    VocabStats,
-    vocab_parallel_kl,
-    vocab_parallel_linear_kl,
-    vocab_parallel_linear_stats,
-    vocab_parallel_stats,
+    VocabStats, vocab_parallel_kl, vocab_parallel_linear_kl, vocab_parallel_linear_stats, vocab_parallel_stats,
 )
 
 Tensor = torch.Tensor

@@ -27,17 +27,8 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.router import (
-    record_routing,
-    replay_routing,
-    tokens_from_batch_major,
-)
-from megatron_rl.routing.agreement import (
-    AgreementTracker,
-    mismatch_metrics,
-    mismatch_sums,
-    reduce_sum,
-)
+from megatron_rl.models.router import record_routing, replay_routing, tokens_from_batch_major
+from megatron_rl.routing.agreement import AgreementTracker, mismatch_metrics, mismatch_sums, reduce_sum
 from megatron_rl.routing.align import RoutingLayout, check_route_checksums
 from megatron_rl.training import loss_glue
 from megatron_rl.training.pipeline import run_micro_batches

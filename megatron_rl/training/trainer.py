@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import logging
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,22 +38,14 @@ from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
+from megatron_rl.training.trainer_batches import TrainerBatches
+from megatron_rl.training.trainer_passes import TrainerPasses
 from megatron_rl.training.config import OptimConfig, TrainConfig
-from megatron_rl.training.micro_batch import (
-    build_micro_batches,
-    fixed_size_groups,
-    packed_lengths,
-    stream_multiple,
-)
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches
-from megatron_rl.training.results import (
-    ForwardResult,
-    StepResult,
-    merge_micro_batch_metrics,
-)
+from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics
 from megatron_rl.training.routing import TrainerRouting
-from megatron_rl.training.token_budget import WorkModel, imbalance, pack
+from megatron_rl.training.token_budget import WorkModel
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +65,7 @@ def pipeline_ready(cfg: ModelConfig, pipeline_size: int) -> ModelConfig:
     return dataclasses.replace(cfg, transformer_overrides={**ours, **cfg.transformer_overrides})
 
 
-class PolicyTrainer:
+class PolicyTrainer(TrainerBatches, TrainerPasses):
     """Model, DDP wrapper, optimizer, LR schedule and step counter of one rank.
 
     Without ``optim`` the trainer is forward-only (e.g. a reference policy for ``ref_logprobs``).
@@ -245,171 +237,6 @@ class PolicyTrainer:
         t = torch.tensor([sum(p["loss"] for p in payloads), sum(p["nonfinite"] for p in payloads)], dtype=torch.float64)
         self._all_reduce(t, dist.ReduceOp.SUM, self.groups.dp_cp)
         return float(t[0]), int(t[1])
-
-    # ------------------------------------------------------------------------------------------
-    # Batches
-    # ------------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: TrainBatch, forward_only: bool) -> Tuple[List[MicroBatch], Dict[str, float]]:
-        """This rank's micro-batches of ``batch`` — a fixed count, or packed under the pass's token budget
-        with the same count on every DP rank — and the pass's ``batch/*`` metrics (collective over DP)."""
-        if not isinstance(batch, TrainBatch):
-            raise ValueError(f"expected a TrainBatch, got {type(batch).__name__}")
-        self._check_batch(batch)
-        cfg, lay = self.cfg, self.groups.layout
-        tokens = (packed_lengths(batch.seq_lengths, lay.cp) if cfg.packing else batch.seq_lengths).tolist()
-        work = self.work(tokens)
-        budget, field = cfg.token_budget_of(forward_only)
-        if budget:
-            plan = dict(cap=budget * lay.cp, multiple=stream_multiple(self._pad_multiple, lay.cp), field=field,
-                        cp=lay.cp)
-            bins = pack(tokens, work, **plan)
-            count = torch.tensor([len(bins)], dtype=torch.int64)
-            self._all_reduce(count, dist.ReduceOp.MAX, self.groups.dp)  # the same count on every DP rank
-            if int(count) != len(bins):
-                bins = pack(tokens, work, count=int(count), **plan)
-            groups = [torch.tensor(g, dtype=torch.long) for g in bins]
-        else:
-            groups = fixed_size_groups(batch, cfg.micro_batch_size, cfg.group_by_length)
-        mbs = build_micro_batches(batch, groups, pad_multiple=self._pad_multiple, same_length=self._same_length,
-                                  packed=cfg.packing, cp_size=lay.cp, cp_rank=self.groups.cp_rank)
-        return mbs, self._batch_metrics(mbs, sum(work), "batch/forward_" if forward_only else "batch/")
-
-    def _batch_metrics(self, mbs: List[MicroBatch], work: float, prefix: str) -> Dict[str, float]:
-        """``padding_frac`` (padding share of the positions computed), ``dp_imbalance`` (max / mean estimated
-        work over DP ranks), ``micro_batches`` (per rank), over the whole pass; one all-reduce over DP."""
-        dp = dist.get_world_size(self.groups.dp)
-        buf = torch.zeros(2 + dp, dtype=torch.float64)
-        buf[0] = sum(mb.token_slots for mb in mbs)
-        buf[1] = sum(mb.real_tokens for mb in mbs)
-        buf[2 + self.groups.dp_rank] = work
-        self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.dp)
-        return {f"{prefix}padding_frac": float(1 - buf[1] / buf[0].clamp(min=1)),
-                f"{prefix}dp_imbalance": imbalance(buf[2:].tolist()), f"{prefix}micro_batches": float(len(mbs))}
-
-    def _check_batch(self, batch: TrainBatch) -> None:
-        arch = self.built.arch
-        lengths = batch.seq_lengths
-        longest = int(lengths.max()) if batch.batch_size else 0
-        if longest > arch.max_position_embeddings:
-            raise ValueError(f"a sequence of {longest} tokens exceeds the model's max_position_embeddings="
-                             f"{arch.max_position_embeddings}; truncate or filter long samples")
-        inside = torch.arange(batch.input_ids.shape[1])[None, :] < lengths[:, None]
-        ids = batch.input_ids[inside]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.built.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.built.vocab_size}); got [{int(ids.min())}, "
-                             f"{int(ids.max())}]")
-        if self.cfg.routing_replay and batch.routed_experts is None:
-            raise ValueError("train.routing_replay=True but TrainBatch.routed_experts is None")
-        self.routing.check_batch(batch)
-        # All TP/PP ranks of a replica must feed the same batch (else: hangs or silent garbage).
-        sums = [batch.batch_size, batch.input_ids.shape[1], int(ids.sum()), int(lengths.sum()),
-                int(batch.response_mask.sum())]
-        t = torch.tensor(sums + [-v for v in sums], dtype=torch.int64)
-        self._all_reduce(t, dist.ReduceOp.MAX, self._mp_group)
-        if t[: len(sums)].tolist() != [-v for v in t[len(sums):].tolist()]:
-            raise ValueError("the tensor/pipeline-parallel ranks of one data-parallel replica were given different "
-                             "batches; every rank of a replica must receive the same TrainBatch")
-
-    def _check_same_count_over_dp(self, count: int) -> None:
-        t = torch.tensor([count, -count], dtype=torch.int64)
-        self._all_reduce(t, dist.ReduceOp.MAX, self.groups.dp)
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(f"data-parallel ranks have between {-int(t[1])} and {int(t[0])} micro-batches; every rank "
-                             "needs the same number (equal per-rank batch sizes)")
-
-    @staticmethod
-    def _all_reduce(t: torch.Tensor, op, group) -> None:
-        if dist.get_world_size(group) > 1:
-            if dist.get_backend(group) == "nccl":
-                moved = t.cuda()
-                dist.all_reduce(moved, op=op, group=group)
-                t.copy_(moved.cpu())
-            else:
-                dist.all_reduce(t, op=op, group=group)
-
-    # ------------------------------------------------------------------------------------------
-    # Passes
-    # ------------------------------------------------------------------------------------------
-    def _head_out(self, built: BuiltModel):
-        """With ``train.fused_head`` the stage returns the output layer's input (:mod:`.head`)."""
-        return head.hidden_states_out(built.module, self.cfg.fused_head)
-
-    def _head_weights(self) -> Dict[str, Optional[torch.Tensor]]:
-        """The output weights the fused head's statistics need (last stage), as loss-glue keywords."""
-        if not self.cfg.fused_head:
-            return {}
-        return {"weight": head.output_weight(self.built.module),
-                "ref_weight": None if self.ref is None else head.output_weight(self.ref.module)}
-
-    @torch.no_grad()
-    def _reference_logits(self, mbs: List[MicroBatch]) -> Optional[List[torch.Tensor]]:
-        """Reference logits ``[b, s, V_local]`` of every micro-batch (last stage; empty list elsewhere); with
-        the fused head its output layer's input ``[b, s, H]`` instead (V/H times smaller)."""
-        if self.ref is None:
-            return None
-        with self.routing.routes(self.ref, mbs) as set_routes, self._head_out(self.ref):  # rollout routes too
-            return run_micro_batches(self.ref.module, mbs,
-                                     lambda logits, mb, k: (logits.new_zeros(()), logits.detach()),
-                                     forward_only=True, before_forward=set_routes)
-
-    @torch.no_grad()
-    def _stats_pass(self, mbs: List[MicroBatch], ref, tracker=None) -> List[Dict[str, torch.Tensor]]:
-        """Forward-only token statistics of every micro-batch (last stage; empty list elsewhere); ``tracker``
-        collects the pass's routing agreement."""
-        cfg, groups = self.cfg, self.groups
-
-        def loss_fn(logits, mb: MicroBatch, k: int):
-            st = loss_glue.token_stats(logits, mb, cfg, tp_group=groups.tp, vocab_size=self.built.vocab_size,
-                                       ref_logits=None if ref is None else ref[k], **self._head_weights())
-            return logits.new_zeros(()), st.detached()
-
-        stage = self.ddp if self.ddp is not None else self.built.module
-        stage.eval()
-        with self.routing.routes(self.built, mbs, tracker) as set_routes, self._head_out(self.built):
-            return run_micro_batches(stage, mbs, loss_fn, forward_only=True, before_forward=set_routes,
-                                     on_micro_batch=self._ticker("forward micro-batches", len(mbs)))
-
-    def _ticker(self, desc: str, total: int) -> Optional[Callable[[int], None]]:
-        report = self.progress
-        return None if report is None else (lambda done: report(desc, done, total, "mb"))
-
-    def _result_keys(self) -> List[str]:
-        keys = ["logprobs", "entropy", "sum_pi_squared"]
-        if self.cfg.objective.dvp.enabled:
-            keys += ["full_logprobs", "kept_mass", "target_kept"]
-        if self.ref is not None:
-            keys.append("ref_kl")
-        return keys
-
-    def _assemble(self, batch: TrainBatch, mbs: List[MicroBatch], payloads) -> ForwardResult:
-        keys = self._result_keys()
-        B, R = batch.response_mask.shape
-        buf = torch.zeros(len(keys), B, R, dtype=torch.float32)
-        for mb, stats in zip(mbs, payloads):
-            r = mb.response_mask.shape[1]
-            for i, key in enumerate(keys):  # this rank's tokens only (under CP, the others score the rest)
-                buf[i, mb.rows, :r] = torch.where(mb.response_mask, stats[key].float().cpu(), 0.0)
-        buf = torch.where(batch.response_mask, buf, torch.zeros((), dtype=buf.dtype))
-        if self.groups.layout.cp > 1 and self.built.post_process:  # CP ranks filled disjoint tokens
-            self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.cp)
-        pp = self.groups.layout.pp
-        if pp > 1:  # the last stage computed it: give it to every stage of the replica
-            src = dist.get_global_rank(self.groups.pp, pp - 1)
-            moved = buf.cuda() if dist.get_backend(self.groups.pp) == "nccl" else buf
-            dist.broadcast(moved, src=src, group=self.groups.pp)
-            buf = moved.cpu()
-        fields = dict(zip(keys, buf))
-        if "target_kept" in fields:
-            fields["target_kept"] = fields["target_kept"] > 0.5
-        return ForwardResult(response_mask=batch.response_mask, **fields)
-
-    def _from_last_stage(self, obj):
-        pp = self.groups.layout.pp
-        if pp == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.pp, pp - 1), group=self.groups.pp)
-        return box[0]
 
     # ------------------------------------------------------------------------------------------
     # Learning rate

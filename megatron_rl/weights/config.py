@@ -29,7 +29,7 @@ class WeightSyncConfig:
     engine_dtype: Optional[str] = None  # None: an EmbeddedEngine's own dtype, else the trainer's params dtype
     progress: bool = True  # tqdm bar on the sender (bytes sent)
     replay_routing: bool = False  # MoE: the trainer's probe forward replays each engine's routing of the probe
-    per_rank: bool = True  # every rank sends the pieces it owns to the sender (weight_links.py); False: all-gather
+    per_rank: bool = True  # every rank sends the pieces it owns to the sender (links.py); False: all-gather
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):

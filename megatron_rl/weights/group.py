@@ -24,12 +24,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import (
-    Backend,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-)
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from megatron_rl.parallel import rendezvous_store
 

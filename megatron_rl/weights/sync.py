@@ -283,7 +283,7 @@ class WeightSync:
         return stats
 
     def _send_per_rank(self, version: str) -> Tuple[Optional[SyncStats], Tuple[int, float]]:
-        """Every rank sends its own pieces to the sender (weight_links.py); returns (the sender's stats, this
+        """Every rank sends its own pieces to the sender (links.py); returns (the sender's stats, this
         rank's link: bytes, seconds)."""
         if self._plan is None:
             direct = self.is_sender and self.engine.receives_in_place()

@@ -19,20 +19,10 @@ MAX_CLASS_LINES = 260
 MAX_INNER_IMPORT_PCT = 10.0
 
 # Over the limits today; each entry is work left, never a place to add to.
-ALLOWED_LONG_FILES = {
-    "megatron_rl.orchestration.run",  # part B (issue 25): Run dissolves into phase objects
-    "megatron_rl.rollout.embedded.server",  # split EmbeddedServer (request parsing / weight endpoints)
-    "megatron_rl.rollout.embedded.engine",  # split EmbeddedEngine (generation loop / weights + probes)
-}
-ALLOWED_LONG_CLASSES = {
-    "megatron_rl.orchestration.run.Run",  # part B (issue 25)
-    "megatron_rl.rollout.embedded.engine.EmbeddedEngine",
-    "megatron_rl.rollout.embedded.server.EmbeddedServer",
-    "megatron_rl.rollout.client.balancer.RemoteEngine",
-    "megatron_rl.rollout.client.http_client.SGLangClient",
-    "megatron_rl.orchestration.trainer_worker.TrainerWorker",
-    "megatron_rl.training.trainer.PolicyTrainer",
-}
+ALLOWED_LONG_FILES = {"megatron_rl.orchestration.run"}  # part B (issue 25): Run dissolves into phase objects
+ALLOWED_LONG_CLASSES = {"megatron_rl.orchestration.run.Run"}  # part B (issue 25)
+# part B (issue 25): the config package split removes this circle (through imports inside functions)
+ALLOWED_CIRCLES = [["megatron_rl.config", "megatron_rl.config_checks", "megatron_rl.config_files"]]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +46,14 @@ def test_the_scanner_finds_a_circle_and_resolves_relative_imports(tmp_path):
 
 def test_no_import_circle_between_modules(mods):
     assert stats.module_circles(mods, inner=False) == [], "modules importing each other at import time"
+    # imports inside functions hide a circle from Python, not from the reader
+    assert [c for c in stats.module_circles(mods) if c not in ALLOWED_CIRCLES] == []
 
 
 def test_no_import_circle_between_subpackages(mods):
     for depth in (2, 3):  # megatron_rl.X, and megatron_rl.X.Y (rollout.client vs rollout.embedded)
         assert stats.subpackage_circles(mods, inner=False, depth=depth) == []
+        assert [c for c in stats.subpackage_circles(mods, depth=depth) if c not in ALLOWED_CIRCLES] == []
 
 
 def test_the_rollout_client_never_imports_the_embedded_engine(mods):

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.weights import tensor_payload
 from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+from megatron_rl.weights import tensor_payload
 from megatron_rl.weights.receiver import NamedTensorBucket
 
 log = logging.getLogger(__name__)

@@ -37,11 +37,7 @@ import torch
 from safetensors.torch import load, save, save_file
 
 from megatron_rl.rollout.client.protocol import (
-    ExpertLayout,
-    GenerateRequest,
-    Sample,
-    SamplingParams,
-    SamplingParamsError,
+    ExpertLayout, GenerateRequest, Sample, SamplingParams, SamplingParamsError,
 )
 from megatron_rl.rollout.client.weight_versions import spans_from_meta, spans_to_meta
 

@@ -17,10 +17,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from megatron_rl.rollout.client.protocol import GenerateRequest, Sample
-from megatron_rl.rollout.client.weight_versions import (
-    WeightVersionEvent,
-    WeightVersionSpan,
-)
+from megatron_rl.rollout.client.weight_versions import WeightVersionEvent, WeightVersionSpan
 from megatron_rl.rollout.embedded.sampling import RowParams
 
 

@@ -19,7 +19,6 @@ import torch
 
 from megatron_rl.rollout.client.protocol import ExpertLayout
 
-
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

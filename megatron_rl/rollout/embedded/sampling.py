@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl.rollout.client.protocol import LOGPROB_MODES, SamplingParams
 
+
 def make_generator(seed: int) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)

@@ -41,14 +41,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -57,52 +55,18 @@ from megatron_rl.profiling import Capture
 from megatron_rl.rollout.client import wire
 from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.embedded.engine import (
-    EmbeddedEngine,
-    EmbeddedEngineConfig,
-    EngineUnavailableError,
-    SamplerAssertionError,
+    EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError, SamplerAssertionError,
 )
 from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
-from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
+from megatron_rl.rollout.embedded.http_handler import (
+    HTTPError, HTTPServer, body_field, make_handler, request_error, validation_error,
+)
+from megatron_rl.rollout.embedded.weight_endpoints import WeightEndpoints
 from megatron_rl.weights import group as weight_group
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
-MAX_BODY_BYTES = 4 << 30
-
-
-class HTTPError(Exception):
-    """An answer other than 200: ``status`` and the JSON (or text) ``payload`` SGLang would send."""
-
-    def __init__(self, status: int, payload: Any):
-        super().__init__(wire.error_message(payload))
-        self.status, self.payload = status, payload
-
-
-def _request_error(message: str, status: int = 400) -> HTTPError:
-    return HTTPError(status, {"error": {"message": message}})
-
-
-def _weights_error(message: str) -> HTTPError:
-    return HTTPError(400, {"success": False, "message": message})
-
-
-def _validation_error(field: str, message: str, value: Any = None) -> HTTPError:
-    """What FastAPI answers when a body does not validate against the endpoint's request class."""
-    return HTTPError(422, {"detail": [{"type": "value_error", "loc": ["body", field], "msg": message,
-                                       "input": value}]})
-
-
-def _field(body: Dict[str, Any], key: str, kind, default=...):
-    if key not in body or body[key] is None and default is not ...:
-        if default is ...:
-            raise _validation_error(key, "Field required")
-        return default
-    value = body[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _validation_error(key, f"Input should be a valid {getattr(kind, '__name__', 'value')}", value)
-    return value
 
 
 @dataclass
@@ -122,18 +86,11 @@ class ServerLimits:
                                          (tokens, self.max_tokens, "(prompt + max_new_tokens) x n summed",
                                           "--max-request-tokens")):
             if value > limit:
-                raise _request_error(f"{what} = {value} exceeds this server's limit of {limit} per request; split "
+                raise request_error(f"{what} = {value} exceeds this server's limit of {limit} per request; split "
                                      f"the request or restart the server with a larger {flag}")
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    # socketserver's default listen backlog is 5: a driver sending dozens of concurrent /generate requests
-    # overflows it, and the dropped SYNs are retried only after ~1 s (100 small requests took 3.6 s, not 0.1 s).
-    request_queue_size = 1024
-    daemon_threads = True
-
-
-class EmbeddedServer:
+class EmbeddedServer(WeightEndpoints):
     """``EmbeddedServer(engine).start()``; ``.url``; ``.stop()``. The engine's ``config.seeds`` decides the
     seed semantics: ``"deterministic"`` is SGLang with ``--enable-deterministic-inference``, ``"ignored"``
     without it."""
@@ -175,7 +132,7 @@ class EmbeddedServer:
         ]:
             for method in methods:
                 self._routes[(method, path)] = handler
-        self.httpd = _HTTPServer((host, port), _make_handler(self))
+        self.httpd = HTTPServer((host, port), make_handler(self))
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -210,7 +167,7 @@ class EmbeddedServer:
                 raise HTTPError(405, {"detail": "Method Not Allowed"})
             raise HTTPError(404, {"detail": "Not Found"})
         if not isinstance(body, dict):
-            raise _validation_error("body", "Input should be a valid dictionary", body)
+            raise validation_error("body", "Input should be a valid dictionary", body)
         return handler(body)
 
     # ---- health and info ----------------------------------------------------------------------------
@@ -262,17 +219,17 @@ class EmbeddedServer:
             requests, as_list, options = wire.parse_generate(body)
         except wire.BadRequest as e:
             raise (HTTPError(400, {"error": f"{e.field}: {e.message}"}) if e.contract
-                   else _request_error(f"{e.field}: {e.message}")) from None
+                   else request_error(f"{e.field}: {e.message}")) from None
         self.limits.check(requests)
         for i, r in enumerate(requests):
             try:
                 self.engine.check_request(r)
             except SamplerAssertionError as e:
-                raise _request_error(str(e), status=500) from None
+                raise request_error(str(e), status=500) from None
             except ValueError as e:
-                raise _request_error(str(e)) from None
+                raise request_error(str(e)) from None
             if len(r.prompt_ids) + r.sampling.max_new_tokens > self.engine.max_context:
-                raise _request_error(
+                raise request_error(
                     f"Requested token count exceeds the model's maximum context length of {self.engine.max_context} "
                     f"tokens. You requested a total of {len(r.prompt_ids) + r.sampling.max_new_tokens} tokens: "
                     f"{len(r.prompt_ids)} tokens from the input messages and {r.sampling.max_new_tokens} tokens for "
@@ -286,7 +243,7 @@ class EmbeddedServer:
         try:
             samples = self.queue.submit([c for _, c in children])
         except EngineUnavailableError as e:
-            raise _request_error(str(e)) from None
+            raise request_error(str(e)) from None
         layout = self.engine.routing.layout
         vocab = self.engine.model.config.vocab_size
         prompt_lp: Dict[int, Any] = {}
@@ -299,129 +256,6 @@ class EmbeddedServer:
         items = [wire.sample_to_json(s, options, i, requests[i].sampling.max_new_tokens, prompt_lp.get(i), layout)
                  for (i, _), s in zip(children, samples)]
         return 200, (items if as_list else items[0])
-
-    # ---- weights --------------------------------------------------------------------------------------
-
-    def _begin_update(self, body):
-        with self._update_lock:
-            if self._session:
-                raise _weights_error("a weight-update session is already open; call end_weight_update() first")
-            self._session = True
-        return 200, {"success": True, "message": "Success"}
-
-    def _end_update(self, body):
-        with self._update_lock:
-            if not self._session:
-                raise _weights_error("no weight-update session is open; call begin_weight_update() first")
-            self._session = False
-        return 200, {"success": True, "message": "Success"}
-
-    def _apply(self, buckets, body) -> Tuple[int, Any]:
-        """Load the buckets (waiting for the running batch unless paused), then SGLang's post-update rules."""
-        if _field(body, "abort_all_requests", bool, False):
-            self.engine.abort(abort_all=True)
-            self.queue.abort(None, abort_all=True)
-        version = _field(body, "weight_version", str, None)
-        try:
-            self.engine.update_weights(buckets, version if version is not None else self.engine.weight_version)
-        except WeightUpdateError as e:
-            raise _weights_error(f"Failed to update parameter online: {e}") from None
-        message = "Succeeded to update parameter online."
-        if _field(body, "flush_cache", bool, True) and self.queue.busy:
-            raise _weights_error("Weights were updated, but the cache was not flushed because requests are still "
-                                 "running or queued. Retract or finish them, then call /flush_cache.")
-        if version is not None:
-            message += f" Weight version updated to {version}."
-        return 200, {"success": True, "message": message}
-
-    def _update_from_tensor(self, body):
-        fmt = _field(body, "load_format", str, None)
-        payloads = _field(body, "serialized_named_tensors", list)
-        if not all(isinstance(p, str) for p in payloads):
-            raise _validation_error("serialized_named_tensors", "Input should be a valid list of base64 strings")
-        with self._update_lock:
-            if not self._session:
-                raise _weights_error("update_weights_from_tensor must run between begin_weight_update() and "
-                                     "end_weight_update()")
-            self._require_weights_resident()
-            try:
-                if fmt == "safetensors":  # extension
-                    buckets = [wire.decode_bucket(p) for p in payloads]
-                elif fmt == "safetensors_file":  # extension
-                    from safetensors.torch import load_file
-
-                    buckets = [list(load_file(self._weight_file(p)).items()) for p in payloads]
-                elif fmt in (None, "direct", weight_group.FLATTENED):  # SGLang's own: one payload per TP rank
-                    from megatron_rl.weights.tensor_payload import decode_payloads
-
-                    buckets = [decode_payloads(payloads, fmt, tp_size=self.tp_size)]
-                else:
-                    raise ValueError(f"Unknown load_format={fmt}")
-            except HTTPError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any decode failure is the client's payload
-                raise _weights_error(f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}") from None
-            return self._apply(buckets, body)
-
-    def _require_weights_resident(self) -> None:
-        """SGLang would write into released (unmapped) weight memory -- a crash, not an answer; this double
-        refuses instead, so a driver that updates before ``resume_memory_occupation(["weights"])`` fails."""
-        if "weights" in self._released:
-            raise _weights_error("the weights' memory is released: call resume_memory_occupation(tags=['weights']) "
-                                 "before updating them")
-
-    def _weight_file(self, path: str) -> str:
-        """A weight file the client named: only ours, in the shared-memory folder (never any other path)."""
-        real, folder = os.path.realpath(path), os.path.realpath(wire.shared_dir())
-        if os.path.dirname(real) != folder or not os.path.basename(real).startswith(wire.WEIGHT_FILE_PREFIX):
-            raise _weights_error(f"serialized_named_tensors: {path!r} is not a weight file of this machine's shared "
-                                 f"folder ({folder}/{wire.WEIGHT_FILE_PREFIX}*); send the bytes (load_format="
-                                 "'safetensors') instead")
-        return real
-
-    def _init_group(self, body):
-        name = _field(body, "group_name", str, "weight_update_group")
-        address, port = _field(body, "master_address", str), _field(body, "master_port", int)
-        offset, world = _field(body, "rank_offset", int), _field(body, "world_size", int)
-        backend = _field(body, "backend", str, "nccl")
-        if not name:
-            raise _weights_error("Group name cannot be empty")
-        if self.tp_size > 1:
-            raise _weights_error(f"this embedded server emulates tp_size={self.tp_size} for tensor payloads only; it "
-                                 "joins a weight group as one rank: start it with --tp-size 1")
-        try:  # tp_rank 0: this server is one engine rank
-            group = weight_group.create_weight_group(address, port, offset, world, backend=backend,
-                                                     group_name=name, timeout_s=300.0)
-        except Exception as e:  # noqa: BLE001
-            raise _weights_error(f"Failed to initialize custom process group: {e}.") from None
-        self._groups[name] = group
-        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    def _update_from_distributed(self, body):
-        names, dtypes, shapes = (_field(body, k, list) for k in ("names", "dtypes", "shapes"))
-        name = _field(body, "group_name", str, "weight_update_group")
-        fmt = _field(body, "load_format", str, None)
-        with self._update_lock:
-            if not self._session:
-                raise _weights_error("update_weights_from_distributed must run between begin_weight_update() and "
-                                     "end_weight_update()")
-            if name not in self._groups:
-                raise _weights_error(f"Failed to receive weights: Group {name} not in {list(self._groups)}. Please "
-                                     "call `init_weights_update_group` first.")
-            self._require_weights_resident()
-            try:
-                bucket = weight_group.receive_bucket(self._groups[name], names, dtypes, shapes, load_format=fmt)
-            except Exception as e:  # noqa: BLE001
-                raise _weights_error(f"Failed to receive weights: {e}") from None
-            return self._apply([bucket], body)
-
-    def _destroy_group(self, body):
-        name = _field(body, "group_name", str, "weight_update_group")
-        group = self._groups.pop(name, None)
-        if group is None:
-            raise _weights_error("The group to be destroyed does not exist.")
-        weight_group.destroy_weight_group(group)
-        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     # ---- control --------------------------------------------------------------------------------------
 
@@ -444,21 +278,21 @@ class EmbeddedServer:
 
     def _stop_profile(self, body):
         if self._capture is None:
-            raise _request_error("profiling is not in progress: call /start_profile first")
+            raise request_error("profiling is not in progress: call /start_profile first")
         self._capture.stop()
         return 200, "Stop profiling. This will take some time.\n"
 
     def _tags(self, body) -> List[str]:
-        tags = _field(body, "tags", list, None) or ["kv_cache", "weights", "cuda_graph"]
+        tags = body_field(body, "tags", list, None) or ["kv_cache", "weights", "cuda_graph"]
         unknown = [t for t in tags if t not in ("kv_cache", "weights", "cuda_graph")]
         if unknown:
-            raise _request_error(f"unknown memory tags {unknown}: expected 'kv_cache', 'weights', 'cuda_graph'")
+            raise request_error(f"unknown memory tags {unknown}: expected 'kv_cache', 'weights', 'cuda_graph'")
         return tags
 
     def _release(self, body):
         tags = self._tags(body)
         if self.queue.busy and not self.engine.paused:
-            raise _request_error("release_memory_occupation should be called only when server is idle.")
+            raise request_error("release_memory_occupation should be called only when server is idle.")
         self._released |= set(tags)
         self.engine.release_memory()
         return 200, None
@@ -467,16 +301,16 @@ class EmbeddedServer:
         tags = self._tags(body)
         missing = [t for t in tags if t not in self._released]
         if missing:  # SGLang: offload_tags.remove(tag) raises KeyError
-            raise _request_error(f"{missing[0]!r}: memory of this tag was not released")
+            raise request_error(f"{missing[0]!r}: memory of this tag was not released")
         self._released -= set(tags)
         if not self._released:
             self.engine.resume_memory()
         return 200, None
 
     def _pause(self, body):
-        mode = _field(body, "mode", str, "abort")
+        mode = body_field(body, "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
-            raise _validation_error("mode", "Input should be 'abort', 'retract' or 'in_place'", mode)
+            raise validation_error("mode", "Input should be 'abort', 'retract' or 'in_place'", mode)
         self.queue.pause()
         self.engine.pause()
         if mode == "abort":
@@ -490,15 +324,15 @@ class EmbeddedServer:
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def _abort(self, body):
-        rid = _field(body, "rid", str, None)
-        abort_all = _field(body, "abort_all", bool, False)
+        rid = body_field(body, "rid", str, None)
+        abort_all = body_field(body, "abort_all", bool, False)
         self.engine.abort(rid or None, abort_all)
         self.queue.abort(rid or None, abort_all)
         return 200, None
 
     def _set_version(self, body):
-        version = _field(body, "new_version", str)
-        if _field(body, "abort_all_requests", bool, True):
+        version = body_field(body, "new_version", str)
+        if body_field(body, "abort_all_requests", bool, True):
             self.engine.abort(abort_all=True)
             self.queue.abort(None, abort_all=True)
         self.engine.update_weight_version(version)
@@ -507,75 +341,6 @@ class EmbeddedServer:
 
 def _health_params():
     return SamplingParams(temperature=0.0, max_new_tokens=1)
-
-
-def _make_handler(server: EmbeddedServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # keep test output quiet; debug logging only
-            log.debug("%s " + fmt, self.address_string(), *args)
-
-        def _send(self, status: int, payload: Any) -> None:
-            if isinstance(payload, str):  # SGLang answers /flush_cache with text
-                data, kind = payload.encode(), "text/plain; charset=utf-8"
-            else:
-                data, kind = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _body(self) -> Any:
-            raw_length = self.headers.get("Content-Length")
-            try:
-                length = int(raw_length or 0)
-            except ValueError:
-                length = -1
-            if length < 0:
-                self.close_connection = True
-                raise HTTPError(400, {"detail": f"Invalid Content-Length header: {raw_length!r}"})
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise HTTPError(413, {"detail": f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"})
-            raw = self.rfile.read(length) if length else b""
-            if len(raw) != length:
-                self.close_connection = True
-                raise HTTPError(400, {"detail": f"body shorter than its Content-Length ({len(raw)} < {length})"})
-            try:
-                return json.loads(raw) if raw.strip() else {}
-            except ValueError as e:
-                raise HTTPError(422, {"detail": [{"type": "json_invalid", "loc": ["body", e.pos if hasattr(e, "pos")
-                                                                                  else 0],
-                                                  "msg": f"JSON decode error: {e}"}]}) from None
-
-        def _handle(self, method: str) -> None:
-            path = self.path.split("?", 1)[0]
-            try:
-                status, payload = server.dispatch(method, path, self._body())
-            except HTTPError as e:
-                status, payload = e.status, e.payload
-            except EngineUnavailableError as e:
-                status, payload = 400, {"error": {"message": str(e)}}
-            except Exception as e:  # noqa: BLE001 - a bug must still answer, with its message
-                log.exception("error serving %s %s", method, path)
-                status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
-            try:
-                self._send(status, payload)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client went away (timeout, abort); nothing to answer
-
-        def do_GET(self):
-            self._handle("GET")
-
-        def do_POST(self):
-            self._handle("POST")
-
-        def do_PUT(self):
-            self._handle("PUT")
-
-    return Handler
 
 
 def main(argv: Optional[List[str]] = None) -> None:
