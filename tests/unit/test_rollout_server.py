@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.rollout.client import wire
 from megatron_rl.rollout.client.balancer import RemoteEngine
-from megatron_rl.rollout.client.remote_weights import WeightTransportError
+from megatron_rl.rollout.client.weight_group_host import WeightTransportError
 from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_rl.rollout.client.http_client import RequestRejected, RetryPolicy, ServerError, SGLangClient
 from megatron_rl.rollout.client.protocol import ExpertLayout, GenerateRequest, SamplingParams

@@ -9,7 +9,7 @@
   http_client.py     SGLangClient: retries, backoff, restart policy
   client_weights.py  SGLangClient's weight endpoints: the update session, tensor / distributed updates
   balancer.py        RemoteEngine: a RolloutEngine over one or more servers (round-robin / least-outstanding)
-  remote_weights.py  RemoteEngine's weight updates over every server (tensor / distributed transports)
+  weight_group_host.py the distributed transport's weight group, hosted by RemoteEngine as rank 0
   ipc_transport.py   IpcTransport: colocated engines get each trainer rank's own copy, gathered per engine
   process.py         a managed server subprocess: launch, wait for /health, log tail, restart
   sglang.py          launch SGLang (GPU) from a typed config (pinned version)

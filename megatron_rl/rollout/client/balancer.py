@@ -12,7 +12,28 @@ when none is left -- at most ``max_resends`` times. The monitor puts a server ba
 :meth:`RemoteEngine.set_available` (it was fine) or :meth:`RemoteEngine.replace_server` (restarted at a
 new URL). Without ``on_failure`` a failure is raised as before.
 
-Weight updates: :mod:`megatron_rl.rollout.client.remote_weights` (mixed into RemoteEngine).
+Weight updates go to every server inside SGLang's weight-update session (``/begin_weight_update`` on every
+server first: SGLang refuses updates outside one, and a refused announce would leave the broadcast below
+waiting forever; ``/end_weight_update`` on every server after the last bucket, also after a failure), then
+one ``/flush_cache`` and the version. With ``pause_mode="in_place"`` (partial rollouts) the whole update runs
+inside ``/pause_generation`` ... ``/continue_generation``: running requests are held between two decode steps,
+take the new weights and version, and go on (SGLang records the version change on them: the response's
+``weight_versions`` spans say which tokens each version produced). SGLang refuses the flush while requests are
+held (their KV cache is in use), so then it is skipped; a server with nothing held is flushed. Two transports:
+
+* ``"tensor"``: ``/update_weights_from_tensor`` with the embedded server's safetensors formats (embedded
+  servers only).
+* ``"distributed"``: ``/update_weights_from_distributed`` + a broadcast on a process group this engine
+  hosts as rank 0 (SGLang's protocol; gloo on CPU, nccl on GPU), one ``flattened_bucket`` buffer per
+  bucket. Call ``init_weight_sync`` first: it reads each server's TP size from ``/server_info`` (engine
+  ranks are ``rank_offset + tp_rank``). SGLang answers an announce only after it has received the bucket,
+  so acceptance is established beforehand (the session, the group); an announce refused anyway is
+  noticed while the broadcast is pending, which is then abandoned with the server's message (the group
+  is marked broken and rebuilt by the next ``init_weight_sync``) -- never a silent hang
+  (``weight_group_host.py``).
+
+(``"ipc"``, colocated engines, is collective over the trainer ranks -- each sends its own GPU's copy --
+so it is not this engine's: ``rollout/client/ipc_transport.py``; such an engine serves generation and checks.)
 """
 
 from __future__ import annotations
@@ -21,12 +42,14 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-from megatron_rl.rollout.client.http_client import ServerUnavailableError, SGLangClient
+from megatron_rl.rollout.client.weight_group_host import WeightGroupHost
+from megatron_rl.weights import group as weight_group
+from megatron_rl.rollout.client.http_client import RequestRejected, SGLangClient, ServerUnavailableError
 from megatron_rl.rollout.client.protocol import EngineHealth, GenerateRequest, RolloutEngine, Sample
-from megatron_rl.rollout.client.remote_weights import RemoteWeights, settled
+from megatron_rl.weights.receiver import NamedTensorBucket
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +58,7 @@ PAUSE_MODES = (None, "in_place")
 TRANSPORTS = ("tensor", "distributed", "ipc")
 
 
-class RemoteEngine(RemoteWeights, RolloutEngine):
+class RemoteEngine(WeightGroupHost, RolloutEngine):
     def __init__(self, clients: Sequence[SGLangClient], policy: str = "least_outstanding",
                  weight_transport: str = "tensor", max_concurrency: int = 64, max_resends: int = 3,
                  pause_mode: Optional[str] = None):
@@ -146,7 +169,7 @@ class RemoteEngine(RemoteWeights, RolloutEngine):
     def _each(self, fn) -> List[Any]:
         """Run ``fn(client)`` on every server concurrently; re-raise the first failure (after all finished)."""
         futures = [self._pool.submit(fn, c) for c in self.clients]
-        return [f.result() for f in [settled(f) for f in futures]]
+        return [f.result() for f in [_settled(f) for f in futures]]
 
     def _each_available(self, fn) -> None:
         """``_each`` over the available servers; with ``on_failure``, an unreachable one is reported, not raised."""
@@ -157,7 +180,7 @@ class RemoteEngine(RemoteWeights, RolloutEngine):
             targets = [(i, c) for i, c in enumerate(self.clients) if self.available[i]]
         futures = [(i, c, self._pool.submit(fn, c)) for i, c in targets]
         for i, c, f in futures:
-            error = settled(f).exception()
+            error = _settled(f).exception()
             if isinstance(error, ServerUnavailableError):
                 self._report(i, c, error)
             elif error is not None:
@@ -176,6 +199,77 @@ class RemoteEngine(RemoteWeights, RolloutEngine):
         """Per server: ``([L - 1] log-probs, [L, moe layers, topk] routes)`` of the same scoring."""
         return self._each(lambda c: c.prompt_logprobs_and_routes(token_ids))
 
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensor_buckets: Iterable[NamedTensorBucket], version: Any) -> None:
+        version = str(version)
+        if self.weight_transport == "ipc":
+            raise RuntimeError("weight_transport='ipc' is collective over the trainer ranks (each sends its own "
+                               "GPU's copy): sync through WeightSync with an ipc_transport.IpcTransport")
+        if self.weight_transport == "distributed" and self._group is None:
+            raise RuntimeError("weight_transport='distributed' needs init_weight_sync(...) first" +
+                               (" (the last sync broke the group)" if self._group_args else ""))
+        if self.pause_mode is not None:
+            self._each(lambda c: c.pause_generation(self.pause_mode))
+        try:
+            pending = None
+            try:
+                self._each(lambda c: c.begin_weight_update())
+                # bucket k + 1 is produced (the trainer's collectives, in this thread) while bucket k is on its
+                # way; the servers still receive one bucket at a time, in order
+                for bucket in named_tensor_buckets:
+                    bucket = list(bucket)
+                    if pending is not None:
+                        pending, previous = None, pending
+                        previous()
+                    pending = self._start_bucket(bucket)
+                if pending is not None:
+                    pending, previous = None, pending
+                    previous()
+            finally:
+                if pending is not None:  # an error while producing the next bucket: let this one land first
+                    try:
+                        pending()
+                    except Exception as e:  # noqa: BLE001 - keep the original error
+                        log.warning("finishing the weight bucket in flight: %s", e)
+                try:
+                    self._each(lambda c: c.end_weight_update())
+                except Exception as e:  # noqa: BLE001 - keep the original error
+                    log.warning("closing the weight-update session: %s", e)
+            self._each(self._flush)
+            self.update_weight_version(version)
+        finally:
+            if self.pause_mode is not None:
+                self._each(lambda c: c.continue_generation())
+
+    def update_weight_version(self, version: Any) -> None:
+        """Relabel the weights every server holds (SGLang records the change on running requests)."""
+        self._each(lambda c: c.update_weight_version(str(version)))
+        self.weight_version = str(version)
+
+    def _flush(self, client: SGLangClient) -> None:
+        try:
+            client.flush_cache()
+        except RequestRejected:
+            if self.pause_mode is None:
+                raise
+            log.debug("%s holds paused requests: cache not flushed (SGLang refuses while they are held)", client.url)
+
+    def _start_bucket(self, bucket: List) -> Callable[[], None]:
+        """Start sending ``bucket`` to every server; returns the call that waits for it (and raises its error)."""
+        if self.weight_transport == "tensor":
+            futures = [self._pool.submit(c.update_weights_from_tensor, [bucket]) for c in self.clients]
+
+            def finish() -> None:
+                for f in [_settled(f) for f in futures]:
+                    f.result()
+            return finish
+        fmt = weight_group.FLATTENED if weight_group.can_flatten(bucket) else None
+        announces = [self._pool.submit(c.update_weights_from_distributed, bucket, self._group_name, fmt)
+                     for c in self.clients]
+        works = weight_group.broadcast_bucket_async(self._group, bucket, fmt)
+        return lambda: self._finish_broadcast(announces, works)
+
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def release_memory(self, tags: Optional[List[str]] = None) -> None:
@@ -193,3 +287,8 @@ class RemoteEngine(RemoteWeights, RolloutEngine):
     def shutdown(self) -> None:
         """Stops this engine's threads; the servers belong to whoever launched them."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settled(f: Future) -> Future:
+    f.exception()  # wait for it, without raising yet
+    return f
