@@ -42,7 +42,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-rl", description="RL post-training on Megatron-Core")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, help in COMMANDS.items():
-        p = sub.add_parser(name, help=help, description=help)
+        p = sub.add_parser(name, help=help)
         if name == command:
             module = importlib.import_module(f"megatron_rl.cli.{name}")
             module.add_arguments(p)

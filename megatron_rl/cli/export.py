@@ -6,9 +6,6 @@ import argparse
 import os
 import sys
 
-from megatron_rl import parallel
-from megatron_rl.export import export_checkpoint, resolve_checkpoint
-from megatron_rl.parallel import ParallelLayout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,13 +19,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch and Megatron load only when it runs: --help and argument errors stay instant
+    from megatron_rl import parallel
+    from megatron_rl.export import export_checkpoint, resolve_checkpoint
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         ckpt = resolve_checkpoint(args.checkpoint, args.step)  # before any process group: a quick error
         parallel.init_process_group()
         try:
             export_checkpoint(ckpt, args.out_dir, model_path=args.model, tokenizer=args.tokenizer,
-                              layout=ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep))
+                              layout=parallel.ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep))
         finally:
             parallel.destroy()
     except (FileNotFoundError, ValueError) as e:

@@ -16,12 +16,7 @@ import sys
 
 from tqdm.auto import tqdm
 
-from megatron_rl.config import dump_yaml, load_run_config
 from megatron_rl.config_io import ConfigError
-from megatron_rl.orchestration.driver import train
-from megatron_rl.orchestration.failures import user_errors
-from megatron_rl.orchestration.signals import Interrupted
-from megatron_rl.training.checkpoint import latest_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +45,9 @@ def _setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the config (torch), the driver (Ray, Megatron) load only when it runs: --help and argument errors stay instant
+    from megatron_rl.config import dump_yaml, load_run_config
+
     _setup_logging(args.log_level)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -63,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dump_yaml(cfg), end="")
         return 0
+    from megatron_rl.orchestration.driver import train
+    from megatron_rl.orchestration.failures import user_errors
+    from megatron_rl.orchestration.signals import Interrupted
 
     try:
         history = train(cfg)
@@ -85,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resume_hint(cfg, stop: BaseException) -> str:
+    from megatron_rl.training.checkpoint import latest_checkpoint
+
     step = getattr(stop, "checkpoint_step", None)
     if step is not None:
         return f"checkpointed step {step} first; resume=true continues from it"

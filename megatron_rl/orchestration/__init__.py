@@ -16,6 +16,7 @@
   activity.py        engine / trainer idle fractions
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics
   evaluate.py        held-out evaluation through the engines: pass@k (unbiased) and mean@k per dataset
+  evaluate_model.py  ``megatron-rl eval``'s work: the same evaluation of an HF model or recipe, stand-alone
   run.py             Run: a run's resources (start-up, resume, tear-down) and its phases
   progress.py        progress bars for work inside Ray actors (micro-batches, forwards, weight sync)
   failures.py        run failures the user can act on (the CLI prints them without a traceback)
