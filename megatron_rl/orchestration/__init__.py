@@ -9,7 +9,7 @@
   placement.py       Ray start-up; placement groups for colocated / disaggregated runs
   colocation.py      Colocation: who holds each GPU when (SGLang memory tags, trainer offload, memory metrics)
   trainer_group.py   TrainerGroup: one call -> every rank, data-parallel shards in, one result out
-  rollout.py         rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds
+  rollout_phase.py   rollout -> rewards -> dynamic-sampling filter with over-sampling; seeds
   modes.py           rollout.mode: where each step's batch comes from (sync, one_step; async_rollout.py)
   async_rollout.py   async: a continuous prompt stream under the staleness bound, partial rollouts
   staleness.py       the staleness bound kept by admission; staleness metrics

@@ -45,7 +45,7 @@ from megatron_rl.data.rewards.runner import FAILURE_KINDS
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration.modes import Rollouts
-from megatron_rl.orchestration.rollout import Group, RolloutBatch, RolloutPhase, request_seed, rollout_metrics
+from megatron_rl.orchestration.rollout_phase import Group, RolloutBatch, RolloutPhase, request_seed, rollout_metrics
 from megatron_rl.orchestration.staleness import StalenessController
 from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 

@@ -29,7 +29,7 @@ from megatron_rl.data.rewards.config import RewardConfig
 from megatron_rl.data.rewards.runner import RewardRunner
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
 from megatron_rl.orchestration.evaluate import Evaluator
-from megatron_rl.orchestration.rollout import RolloutPhase
+from megatron_rl.orchestration.rollout_phase import RolloutPhase
 from megatron_rl.rollout.client.balancer import RemoteEngine
 from megatron_rl.rollout.client.http_client import SGLangClient
 

@@ -35,7 +35,7 @@ from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
 from megatron_rl.orchestration.modes import OneStepRollouts, Rollouts
-from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
+from megatron_rl.orchestration.rollout_phase import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1

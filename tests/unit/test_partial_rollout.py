@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_rl.orchestration.batching import train_batch
-from megatron_rl.orchestration.rollout import Group
+from megatron_rl.orchestration.rollout_phase import Group
 from megatron_rl.rollout.client.balancer import RemoteEngine
 from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
