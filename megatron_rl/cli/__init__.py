@@ -8,7 +8,8 @@ and ``run(args) -> exit code``.
   report.py  ``megatron-rl report RUN_DIR``: one HTML page of PNG plots
   slurm.py   ``megatron-rl slurm RECIPE [key=value ...]``: an sbatch script for a Ray cluster over SLURM
 
-``python -m megatron_rl.cli`` (``__main__.py``) is the same. Only the chosen sub-command's module is imported (``megatron-rl --help`` loads neither torch nor Ray).
+``python -m megatron_rl.cli`` (``__main__.py``) is the same. Only the chosen sub-command's module is imported
+(``megatron-rl --help`` loads neither torch nor Ray).
 """
 
 from __future__ import annotations
