@@ -21,8 +21,7 @@ from typing import Iterable, List, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 
 from megatron_rl.training.config import OptimConfig
 
@@ -67,8 +66,9 @@ def _clip(optimizer, max_norm: float, total_norm: float) -> None:
             continue
         params = opt.get_parameters()
         if params:
-            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            # looked up at call time: the CPU compatibility layer wraps it (compat.py)
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
+                                                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 class _Snapshot:

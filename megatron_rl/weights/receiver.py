@@ -3,7 +3,8 @@
 The sync asks the engine, never its type: ``weights_dtype`` (the dtype the pieces are cast to) and
 ``receives_in_place`` (whether ``weight_update(version)`` hands out a target that takes each trainer rank's
 pieces in place, so the sender need not assemble full tensors). ``RolloutEngine`` is a WeightReceiver;
-so is any colocated transport that takes ``update_weights`` from every rank.
+a duck-typed one (any object with ``update_weights``, e.g. a colocated transport or a test's delegate) gets
+the defaults through :func:`weights_dtype` / :func:`receives_in_place`.
 """
 
 from __future__ import annotations
@@ -44,3 +45,15 @@ class WeightReceiver(abc.ABC):
         """True when ``weight_update(version)`` is a context manager yielding a target that takes each trainer
         rank's pieces in place (an in-process engine); False: the sender streams full HF tensors."""
         return False
+
+
+def weights_dtype(engine: Any) -> Optional[torch.dtype]:
+    """``engine.weights_dtype()``; None for a duck-typed engine (any object with ``update_weights``) without it."""
+    ask = getattr(engine, "weights_dtype", None)
+    return ask() if ask is not None else None
+
+
+def receives_in_place(engine: Any) -> bool:
+    """``engine.receives_in_place()``; False for a duck-typed engine without it."""
+    ask = getattr(engine, "receives_in_place", None)
+    return bool(ask()) if ask is not None else False

@@ -64,7 +64,7 @@ from megatron_rl.weights.probe import (  # noqa: F401 - the check's errors and r
     probe_tokens,
     trainer_probe_logprobs,
 )
-from megatron_rl.weights.receiver import WeightReceiver
+from megatron_rl.weights.receiver import WeightReceiver, receives_in_place, weights_dtype
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def _drain(it: Iterator) -> int:
 def _engine_dtype(config: WeightSyncConfig, engine: Optional[WeightReceiver], built) -> torch.dtype:
     if config.engine_dtype is not None:
         return dtype_from_name(config.engine_dtype)
-    own = engine.weights_dtype() if engine is not None else None
+    own = weights_dtype(engine) if engine is not None else None
     return own if own is not None else built.tconfig.params_dtype  # SGLang does not report its dtype: engine_dtype
 
 
@@ -286,7 +286,7 @@ class WeightSync:
         """Every rank sends its own pieces to the sender (links.py); returns (the sender's stats, this
         rank's link: bytes, seconds)."""
         if self._plan is None:
-            direct = self.is_sender and self.engine.receives_in_place()
+            direct = self.is_sender and receives_in_place(self.engine)
             self._plan = weight_links.exchange_plan(self.built, self.group, self.sender_group_rank,
                                                     self.dtype if self.is_sender else None, direct)
             self.dtype = self._plan.dtype
