@@ -21,6 +21,7 @@ Tour (each sub-package's ``__init__`` has its own):
   compat.py       the CPU compatibility layer for Megatron-Core (applied only without CUDA)
   metrics.py, perf.py, profiling.py   metric sinks; throughput, idle fractions, MFU; torch-profiler captures
   diagnostics.py  the gain decomposition of an update (math_spec §h) and reward bits per episode (§i)
+  upstream_warnings.py  known Megatron-Core / torch warnings as one line (the command line installs it)
   report.py       the plots of ``megatron-rl report RUN_DIR`` (one HTML page of PNGs)
   export.py       any trainer checkpoint -> HF directory (``megatron-rl export``)
 """

@@ -13,6 +13,7 @@ runner ``reward``, the sampler ``data``, the engines ``rollout``. Nothing thread
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -21,7 +22,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence
 
 from megatron_rl import config_io
 from megatron_rl.advantages import AdvantageConfig
-from megatron_rl.data.config import DataConfig
+from megatron_rl.data.config import DataConfig, deferred_path_checks
 from megatron_rl.data.rewards.config import RewardConfig
 from megatron_rl.diagnostics import DiagnosticsConfig
 from megatron_rl.launch.slurm import SlurmConfig
@@ -503,7 +504,9 @@ def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, pre
                 prepare_tiny_arithmetic(prep.dir, seed=prep.seed, model=prep.model)
             except ValueError as e:  # e.g. the directory holds the other model kind's assets
                 raise config_io.ConfigError(str(e)) from None
-    cfg = build_run_config(mapping)
+    # checked: a missing data file is listed with every other problem (check_run_config), not alone
+    with deferred_path_checks() if check else contextlib.nullcontext():
+        cfg = build_run_config(mapping)
     if check:
         from megatron_rl.config_checks import check_run_config
 

@@ -20,6 +20,8 @@ import re
 import sys
 from typing import List, Optional
 
+from megatron_rl import upstream_warnings
+
 # name -> help; the module is megatron_rl.cli.<name>
 COMMANDS = {
     "env": "show versions, devices and optional GPU extras",
@@ -52,6 +54,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    upstream_warnings.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)

@@ -4,6 +4,7 @@
               HF -> TransformerConfig, padded vocabulary
   spec.py     layer specs: Transformer Engine on GPU, portable torch spec (SDPA attention, RMSNorm)
   attention.py  the portable core attention: SDPA over padded or packed (THD) input, context parallelism
+  packed_attention.py  packed (THD) attention in one call per layer: varlen (CUDA), padded SDPA, plans
   build.py    build_model(): this rank's pipeline stage, weights loaded
   built.py    BuiltModel (what build_model returns), ShardLayout, Axis
   mapping.py  HF <-> Megatron names, shapes and sharding kinds (pure)

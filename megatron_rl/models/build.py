@@ -89,6 +89,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool 
     across layouts because Megatron's CPU initialisation draws full tensors, then slices them).
     """
     compat.apply()
+    compat.vectorise_thd_rope()  # also on CUDA: no per-sequence loop on the model path
     arch = load_arch(cfg.hf_path)
     # Loading overwrites every parameter: skip the (slow, full-size on CPU) random initialisation.
     tconfig = transformer_config(cfg, arch, groups.layout, initialize=not load_weights)

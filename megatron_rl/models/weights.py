@@ -299,6 +299,10 @@ def save_hf_checkpoint(
         nonlocal bucket, size
         fn = f"model-part-{len(shards):05d}.safetensors"
         save_file(bucket, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        # safetensors writes through a private (0600) temporary file: give it the mode open() gives its siblings
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(os.path.join(out_dir, fn), 0o666 & ~umask)
         shards.append({n: fn for n in bucket})
         bucket, size = {}, 0
 

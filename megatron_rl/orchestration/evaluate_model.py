@@ -13,13 +13,14 @@ Prints a markdown table; ``--output`` also writes the metrics as JSON. Exit code
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from megatron_rl import config_io
 from megatron_rl.config import EvalConfig, RolloutConfig, load_run_config
@@ -106,8 +107,17 @@ def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str
     closers: list = []
     try:
         tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer)
-        datasets = {name: PromptDataset(d, tokenizer) for name, d in setup.eval.named_datasets.items()}
-        rewards = RewardRunner(setup.reward)
+        try:  # an empty file, every prompt too long...: the config's problem, said as train says it
+            fitted = fit_context(setup)
+            datasets = {name: PromptDataset(d, tokenizer) for name, d in fitted.items()}
+            for name, d in fitted.items():
+                if d is not setup.eval.named_datasets[name] and datasets[name].dropped_overlong:
+                    print(f"megatron-rl eval: {name}: {datasets[name].dropped_overlong} prompts over "
+                          f"{d.max_prompt_tokens} tokens left out (the model's context minus "
+                          f"rollout.sampling.max_new_tokens={setup.rollout.sampling.max_new_tokens})", file=sys.stderr)
+            rewards = RewardRunner(setup.reward)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         closers.append(rewards.close)
         phase = RolloutPhase(setup.rollout, _engine(setup, closers), tokenizer, None, rewards, seed=setup.seed,
                              batch_unit=1, progress_bars=progress)
@@ -116,6 +126,27 @@ def evaluate(setup: EvalSetup, step: int = 0, progress: bool = True) -> Dict[str
     finally:
         for close in reversed(closers):
             close()
+
+
+def fit_context(setup: EvalSetup) -> Dict[str, Any]:
+    """The eval datasets with ``max_prompt_tokens`` lowered so that a prompt plus ``rollout.sampling.max_new_tokens``
+    fits the model's context (longer prompts are dropped and counted, as ``overlong_policy="drop"`` does; with
+    ``"error"`` the dataset names them): the engine would otherwise reject them mid-evaluation (:func:`evaluate`
+    says how many it left out). Raises ``ConfigError`` when not even one prompt token fits."""
+    context = getattr(AutoConfig.from_pretrained(setup.model), "max_position_embeddings", None)
+    new_tokens = setup.rollout.sampling.max_new_tokens
+    if context is None:
+        return dict(setup.eval.named_datasets)
+    room = context - new_tokens
+    if room < 1:
+        raise ConfigError(f"rollout.sampling.max_new_tokens={new_tokens} leaves no room for a prompt in the context "
+                          f"length {context} of {setup.model} (max_position_embeddings); lower it below {context}")
+    out = {}
+    for name, d in setup.eval.named_datasets.items():
+        if d.max_prompt_tokens > room:
+            d = dataclasses.replace(d, max_prompt_tokens=room)
+        out[name] = d
+    return out
 
 
 def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
@@ -136,7 +167,11 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"megatron-rl eval: config error: {e}", file=sys.stderr)
         return 2
-    results = evaluate(setup, args.step)
+    try:
+        results = evaluate(setup, args.step)
+    except ConfigError as e:
+        print(f"megatron-rl eval: config error: {e}", file=sys.stderr)
+        return 2
     print(f"model: {setup.model}  (k={setup.eval.k}, {setup.eval.samples_per_prompt} samples per prompt, "
           f"reward {setup.reward.kind})")
     print(markdown_table(results))

@@ -94,8 +94,9 @@ class Run:
     def _prepare_output_dir(self) -> None:
         cfg = self.cfg
         if cfg.overwrite and not cfg.resume:
-            for path in (cfg.checkpoint_root, os.path.join(cfg.output_dir, "tensorboard"),
-                         os.path.join(cfg.output_dir, "metrics.jsonl")):
+            # every output of the earlier run: a report/ or hf_final/ left beside new metrics would describe it
+            for path in (cfg.checkpoint_root, *(os.path.join(cfg.output_dir, name) for name in
+                                                ("tensorboard", "metrics.jsonl", "report", "hf_final"))):
                 if os.path.isdir(path):
                     shutil.rmtree(path)
                 elif os.path.exists(path):
@@ -241,7 +242,8 @@ class Run:
         info = self.trainers.infos[0]
         self.peak_flops = info.get("peak_flops")
         if self.peak_flops:
-            logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
+            logger.info("MFU (perf/*mfu: a fraction of the peak, not %%): %.3f TFLOP/s peak per device (%s; %s); "
+                        "%d trainer + %d engine device(s)%s",
                         self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,
                         self.devices.engine, " (colocated)" if self.devices.colocated else "")
 

@@ -15,6 +15,9 @@
   head.py        the fused output layer (train.fused_head): the loss from the output layer's input and weight
   checkpoint.py  dist-checkpointing save/load: atomic, resharding, keep-last-K
   checkpoint_integrity.py  checkpoint integrity checks and disk space
+  fused_optim.py multi-tensor optimizer helpers for runs without Transformer Engine or Apex
+  nan_guard.py   whether an Adam(W) step can make the weights non-finite, decided before it is taken
+  placement.py   a micro-batch to the device once (one pass over its fields); results back once
   offload.py     TrainerOffload: optimizer state + gradient buffers to host memory and back (colocated)
 """
 

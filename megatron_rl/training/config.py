@@ -36,8 +36,10 @@ class OptimConfig:
         schedule: LR schedule (warmup + constant / cosine / length-surge), stepped once per successful
             optimizer step.
         nonfinite_weights: what happens when an optimizer step (with finite gradients) makes the weights
-            non-finite: ``rollback`` (the step is undone and counted as skipped; keeps a host copy of the
-            parameters and Adam state, ~4x the parameter bytes) or ``stop`` (the run stops with an error).
+            non-finite: ``rollback`` (the step is undone and counted as skipped) or ``stop`` (the run stops with
+            an error). Free in a sane run: a bound on Adam's update (:mod:`megatron_rl.training.nan_guard`)
+            proves the step safe before it is taken; only a step it cannot prove safe keeps a host copy of the
+            parameters and Adam state (~4x the parameter bytes) to roll back from.
     """
 
     lr: float = 1e-6

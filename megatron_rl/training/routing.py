@@ -27,6 +27,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl import parallel
 from megatron_rl.models.router import record_routing, replay_routing, tokens_from_batch_major
 from megatron_rl.routing.agreement import AgreementTracker, mismatch_metrics, mismatch_sums, reduce_sum
 from megatron_rl.routing.align import RoutingLayout, check_route_checksums
@@ -88,7 +89,7 @@ class TrainerRouting:
             return None
         self.check_batch(batch)
         B, R = batch.response_mask.shape
-        return AgreementTracker(B, R, self.moe_layers)
+        return AgreementTracker(B, R, self.moe_layers, device=parallel.device())
 
     @contextlib.contextmanager
     def routes(self, built, mbs, tracker: Optional[AgreementTracker] = None) -> Iterator:
@@ -153,7 +154,7 @@ class TrainerRouting:
         """One forward-only pass with the trainer's own routing: ``routing/no_replay/*`` metrics."""
         t = self._t
         self.check_batch(batch)
-        tracker = AgreementTracker(*batch.response_mask.shape, self.moe_layers)
+        tracker = AgreementTracker(*batch.response_mask.shape, self.moe_layers, device=parallel.device())
 
         def loss_fn(logits, mb, k):
             st = loss_glue.token_stats(logits, mb, t.cfg, tp_group=t.groups.tp, vocab_size=t.built.vocab_size)
@@ -167,9 +168,9 @@ class TrainerRouting:
         tracker.collect(order, record)
         _, metrics = tracker.finalize(t.groups, prefix="routing/no_replay/", tokens=False)
         if batch.rollout_logprobs is not None:
-            sums = torch.zeros(3, dtype=torch.float64)
+            sums = torch.zeros(3, dtype=torch.float64, device=parallel.device())
             for mb, lp in zip(mbs, payloads):  # last stage only; empty elsewhere
-                sums += mismatch_sums(lp.float().cpu(), mb.rollout_logprobs, mb.response_mask)
+                sums += mismatch_sums(lp.float(), mb.rollout_logprobs, mb.response_mask)
             metrics.update(mismatch_metrics(reduce_sum(sums, t.groups.pp, t.groups.dp, t.groups.cp),
                                             prefix="routing/no_replay/"))
         return metrics

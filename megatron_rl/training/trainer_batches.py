@@ -9,8 +9,10 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_rl import parallel
 from megatron_rl.training.batch import MicroBatch, TrainBatch
 from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_groups, packed_lengths, stream_multiple
+from megatron_rl.training.placement import micro_batches_to
 from megatron_rl.training.token_budget import imbalance, pack
 
 
@@ -40,6 +42,7 @@ class TrainerBatches:
             groups = fixed_size_groups(batch, cfg.micro_batch_size, cfg.group_by_length)
         mbs = build_micro_batches(batch, groups, pad_multiple=self._pad_multiple, same_length=self._same_length,
                                   packed=cfg.packing, cp_size=lay.cp, cp_rank=self.groups.cp_rank)
+        mbs = micro_batches_to(mbs, parallel.device())  # built on the host; every pass computes on the device
         return mbs, self._batch_metrics(mbs, sum(work), "batch/forward_" if forward_only else "batch/")
 
     def _batch_metrics(self, mbs: List[MicroBatch], work: float, prefix: str) -> Dict[str, float]:

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl import parallel
 from megatron_rl.models.build import BuiltModel
 from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
@@ -73,20 +74,19 @@ class TrainerPasses:
     def _assemble(self, batch: TrainBatch, mbs: List[MicroBatch], payloads) -> ForwardResult:
         keys = self._result_keys()
         B, R = batch.response_mask.shape
-        buf = torch.zeros(len(keys), B, R, dtype=torch.float32)
+        buf = torch.zeros(len(keys), B, R, dtype=torch.float32, device=parallel.device())
         for mb, stats in zip(mbs, payloads):
             r = mb.response_mask.shape[1]
             for i, key in enumerate(keys):  # this rank's tokens only (under CP, the others score the rest)
-                buf[i, mb.rows, :r] = torch.where(mb.response_mask, stats[key].float().cpu(), 0.0)
-        buf = torch.where(batch.response_mask, buf, torch.zeros((), dtype=buf.dtype))
+                buf[i, mb.rows, :r] = torch.where(mb.response_mask, stats[key].float(), 0.0)
+        buf = torch.where(batch.response_mask.to(buf.device), buf, torch.zeros((), dtype=buf.dtype))
         if self.groups.layout.cp > 1 and self.built.post_process:  # CP ranks filled disjoint tokens
             self._all_reduce(buf, dist.ReduceOp.SUM, self.groups.cp)
         pp = self.groups.layout.pp
         if pp > 1:  # the last stage computed it: give it to every stage of the replica
             src = dist.get_global_rank(self.groups.pp, pp - 1)
-            moved = buf.cuda() if dist.get_backend(self.groups.pp) == "nccl" else buf
-            dist.broadcast(moved, src=src, group=self.groups.pp)
-            buf = moved.cpu()
+            dist.broadcast(buf, src=src, group=self.groups.pp)
+        buf = buf.cpu()  # the driver's side: one copy back
         fields = dict(zip(keys, buf))
         if "target_kept" in fields:
             fields["target_kept"] = fields["target_kept"] > 0.5

@@ -137,7 +137,7 @@ def test_replay_brings_trainer_closer_to_engine_and_logs_routing_metrics(moe_pat
         assert off["routing/agreement_mean"] < 1.0, name
         assert on["routing/logprob_abs_diff"] < off["routing/logprob_abs_diff"], name
         assert on["routing/mismatch_k3"] < off["routing/mismatch_k3"], name
-        lp_on, lp_off = on["logprobs"], off["logprobs"]
+        lp_on = on["logprobs"]
         mask, mu = batches[name].response_mask, batches[name].rollout_logprobs
         assert (lp_on - mu)[mask].abs().mean().item() == pytest.approx(on["routing/logprob_abs_diff"], rel=1e-6)
         assert on["disagreement"].shape == mask.shape and (on["disagreement"][~mask] == 0).all()

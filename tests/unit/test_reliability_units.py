@@ -215,6 +215,23 @@ def test_failed_start_leaves_the_output_directory_alone(tmp_path, monkeypatch):
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_overwrite_removes_every_output_of_the_earlier_run(tmp_path):
+    """overwrite=true: no report/ or hf_final/ of the earlier run is left beside the new run's metrics."""
+    from megatron_rl.config import load_run_config
+    from megatron_rl.orchestration.run import Run
+
+    a = quick_assets(tmp_path / "assets")
+    out = tmp_path / "run"
+    for sub in ("report", "hf_final", "tensorboard", "checkpoints/iter_0000001", "hf"):
+        (out / sub).mkdir(parents=True)
+        (out / sub / "f").write_text("old")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    run = Run.__new__(Run)  # only the output-directory step, no workers
+    run.cfg = load_run_config(TINY_RECIPE, tiny_overrides(a, out, "overwrite=true"))
+    run._prepare_output_dir()
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "hf"]  # hf/: a user's export, kept
+
+
 def test_metrics_logger_reports_the_last_step_it_kept(tmp_path):
     from megatron_rl.config import LoggingConfig
     from megatron_rl.metrics import MetricsLogger

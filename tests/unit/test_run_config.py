@@ -195,6 +195,19 @@ def test_paths_and_unknown_keys(assets, tmp_path, overrides, needle):
     assert "RunConfig." not in str(e.value)  # paths read as the user writes them
 
 
+def test_missing_files_are_listed_together(assets, tmp_path):
+    """--dry-run of a recipe whose data and model are not there yet: every missing path in one error (not one
+    per invocation), the data ones pointing at tools/prepare_math_data.py."""
+    with pytest.raises(ConfigError) as e:
+        _load(assets, tmp_path, "model.hf_path=/nowhere/model", "data.path=/nowhere/train.jsonl",
+              "eval.data=null", "eval.datasets.a.path=/nowhere/a.jsonl", "eval.datasets.b.path=/nowhere/b.jsonl")
+    msg = str(e.value)
+    for needle in ("model.hf_path='/nowhere/model'", "data.path='/nowhere/train.jsonl' does not exist",
+                   "eval.datasets.a.path='/nowhere/a.jsonl'", "eval.datasets.b.path='/nowhere/b.jsonl'"):
+        assert needle in msg
+    assert msg.count("tools/prepare_math_data.py") == 3
+
+
 def test_existing_checkpoints_need_resume_or_overwrite(assets, tmp_path):
     (tmp_path / "out" / "checkpoints" / "iter_0000002").mkdir(parents=True)
     with pytest.raises(ConfigError, match="pass resume=true to continue it, overwrite=true to start over"):

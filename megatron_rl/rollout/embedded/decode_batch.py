@@ -117,7 +117,7 @@ class DecodeBatch:
             self.pos = torch.cat([self.pos, pos[:, -1:]], dim=0)
             self.logits = torch.cat([self.logits, logits], dim=0)
             self.rows.extend(rows)
-        self.params = RowParams.from_params([r.req.sampling for r in self.rows])
+        self.params = RowParams.from_params([r.req.sampling for r in self.rows], device=self.logits.device)
 
     def keep(self, keep: List[bool]) -> None:
         """Drop the rows marked False; trim the columns no remaining row attends to."""
@@ -138,7 +138,7 @@ class DecodeBatch:
             self.mask = self.mask[:, first:]
             for layer in layers:
                 layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
-        self.params = RowParams.from_params([r.req.sampling for r in self.rows])
+        self.params = RowParams.from_params([r.req.sampling for r in self.rows], device=self.logits.device)
 
     def decode_inputs(self):
         """``(ids [B, 1], mask [B, L + 1], pos [B, 1])`` to feed the sampled ``tokens``."""

@@ -208,6 +208,9 @@ class DecodeLoop:
         self.last_progress = time.monotonic()
         tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()  # one conversion, not one per row
         processed, support = res.processed.tolist(), res.support.tolist()
+        top_ids = top_values = None
+        if res.top_ids is not None:  # to the host once per step; rows keep host slices of it
+            top_ids, top_values = res.top_ids.cpu(), res.top_values.cpu()
         cap = self.config.sampling_mask_max_tokens
         for b, r in enumerate(rows):
             if r.finish:
@@ -226,9 +229,9 @@ class DecodeLoop:
             r.logprobs.append(logprobs[b])
             if r.processed is not None:
                 r.processed.append(processed[b])
-            if res.top_ids is not None and r.req.return_top_logprobs:
-                r.top_ids.append(res.top_ids[b, : r.req.return_top_logprobs])
-                r.top_values.append(res.top_values[b, : r.req.return_top_logprobs])
+            if top_ids is not None and r.req.return_top_logprobs:
+                r.top_ids.append(top_ids[b, : r.req.return_top_logprobs])
+                r.top_values.append(top_values[b, : r.req.return_top_logprobs])
             sp = r.req.sampling
             if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_ids):
                 r.finish, r.matched = "stop", tok

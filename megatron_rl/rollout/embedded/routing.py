@@ -90,7 +90,9 @@ class RoutingRecorder:
     def pop(self) -> Optional[List[torch.Tensor]]:
         if not self.routers or not self._records[0]:
             return None
-        out = [torch.cat(r, dim=0) for r in self._records]
+        # one device -> host copy per forward for all layers (rows keep them until their answer)
+        sizes = [sum(len(t) for t in r) for r in self._records]
+        out = list(torch.cat([t for r in self._records for t in r], dim=0).cpu().split(sizes))
         self._records = [[] for _ in self.routers]
         return out
 

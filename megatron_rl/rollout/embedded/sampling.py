@@ -37,12 +37,13 @@ class RowParams:
     min_p: torch.Tensor  # [B] float32
 
     @staticmethod
-    def from_params(params: Sequence[SamplingParams]) -> "RowParams":
+    def from_params(params: Sequence[SamplingParams], device: Optional[torch.device] = None) -> "RowParams":
+        """On ``device``: the logits' (the engine builds them once per batch composition, not per step)."""
         return RowParams(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )
 
 
@@ -61,7 +62,7 @@ def kept_mask_sorted(sorted_logp: torch.Tensor, rows: RowParams) -> torch.Tensor
     every filter is computed on the unfiltered temperature-scaled distribution, as SGLang's torch
     sampler does). Greedy rows keep only the argmax. Always keeps column 0 (the argmax)."""
     B, V = sorted_logp.shape
-    rank = torch.arange(V).unsqueeze(0)
+    rank = torch.arange(V, device=sorted_logp.device).unsqueeze(0)
     top_k = torch.where(rows.top_k > 0, rows.top_k, torch.full_like(rows.top_k, V))
     top_k = torch.where(rows.temperature == 0, torch.ones_like(top_k), top_k)
     keep = rank < top_k.unsqueeze(1)
@@ -100,18 +101,19 @@ def sample_next(
     if bool(plain.all()):
         return _sample_plain(logp, generators, top_n)
     if bool(plain.any()):  # a mixed batch: each row takes the path its own parameters choose
-        out = StepResult(tokens=torch.empty(len(generators), dtype=torch.int64),
-                         logprobs=torch.empty(len(generators), dtype=torch.float32), top_ids=None, top_values=None,
-                         processed=torch.empty(len(generators), dtype=torch.float32),
-                         support=torch.empty(len(generators), dtype=torch.int64))
+        B, dev = len(generators), logits.device
+        out = StepResult(tokens=torch.empty(B, dtype=torch.int64, device=dev),
+                         logprobs=torch.empty(B, dtype=torch.float32, device=dev), top_ids=None, top_values=None,
+                         processed=torch.empty(B, dtype=torch.float32, device=dev),
+                         support=torch.empty(B, dtype=torch.int64, device=dev))
         idx = {True: plain.nonzero().squeeze(1), False: (~plain).nonzero().squeeze(1)}
         parts = {True: _sample_plain(logp[idx[True]], [generators[i] for i in idx[True].tolist()], top_n),
                  False: _sample_sorted(logp[idx[False]], _take_rows(rows, idx[False]),
                                        [generators[i] for i in idx[False].tolist()], logprob_mode, top_n)}
         if top_n > 0:
             n = min(top_n, logits.shape[1])
-            out.top_ids = torch.empty(len(generators), n, dtype=torch.int64)
-            out.top_values = torch.empty(len(generators), n, dtype=torch.float32)
+            out.top_ids = torch.empty(B, n, dtype=torch.int64, device=dev)
+            out.top_values = torch.empty(B, n, dtype=torch.float32, device=dev)
         for key, part in parts.items():
             out.tokens[idx[key]] = part.tokens
             out.logprobs[idx[key]] = part.logprobs
@@ -137,6 +139,8 @@ def _take_rows(rows: RowParams, idx: torch.Tensor) -> RowParams:
 
 
 def _uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One uniform per row from its own seeded host generator (the same stream on CPU and GPU, so a seed
+    gives the same tokens on either); the callers move them to the logits' device in one copy per step."""
     return torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
 
 
@@ -145,7 +149,7 @@ def _sample_plain(logp: torch.Tensor, generators: Sequence[torch.Generator], top
     row's own generator, as on the sorted path), without the ``[B, V]`` sort the filters need -- on CPU
     that sort was most of a small model's decode step. The draw is exact for the same distribution; only
     which token a given uniform maps to differs from the sorted order, still a pure function of the row."""
-    u = _uniforms(generators)
+    u = _uniforms(generators).to(logp.device, non_blocking=True)
     # exp in fp32 (vectorised; fp64 exp is ~10x slower on CPU), accumulated in fp64
     probs = logp.exp().double()
     cdf = torch.cumsum(probs, dim=-1)
@@ -174,7 +178,7 @@ def _sample_sorted(logp: torch.Tensor, rows: RowParams, generators: Sequence[tor
     keep = kept_mask_sorted(sorted_logp, rows)
 
     # Inverse CDF over the kept prefix, one uniform per row from that row's own generator.
-    u = _uniforms(generators)
+    u = _uniforms(generators).to(logp.device, non_blocking=True)
     cdf = torch.cumsum(sorted_logp.double().exp() * keep, dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
