@@ -30,7 +30,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
 from megatron_rl.parallel import ParallelLayout
 from megatron_rl.profiling import ProfileConfig
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.weights.config import WeightSyncConfig
 from megatron_rl.training.config import OptimConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/sglang.py``."""
+    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/client/sglang.py``."""
 
     tp_size: int = 1  # GPUs per server
     mem_fraction_static: float = 0.8
@@ -155,7 +155,7 @@ class RolloutConfig:
     oversample_factor:      each refill round asks for ``ceil(missing * factor)`` more prompts.
     logprob_mode:           ``raw`` (SGLang's ``output_token_logprobs``, full-vocabulary) or ``processed``
                             (renormalised over the top-k/top-p set, SGLang's ``output_token_sampling_logprobs``:
-                            pair it with DVP in the objective, and a top-k <= 4096), see rollout/protocol.py.
+                            pair it with DVP in the objective, and a top-k <= 4096), see rollout/client/protocol.py.
     seeded:                 per-sample sampling seeds derived from (seed, step, round, slot, sample): rollouts are
                             reproducible and a resumed run matches an uninterrupted one. Needs
                             ``deterministic_inference``.

@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -108,7 +109,6 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 

@@ -15,7 +15,6 @@ quantity is defined in docs/report_formulas.md.
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
@@ -24,11 +23,6 @@ import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 Series = Tuple[List[float], List[float]]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run's output directory (metrics.jsonl, config.yaml)")
-    p.add_argument("--out", help="where to write index.html and the PNGs (default RUN_DIR/report)")
 
 
 class Metrics:
@@ -402,13 +396,3 @@ docs/report_formulas.md in the megatron_rl repository.</small></p>
     return path
 
 
-def cli_main(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        path = render(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"megatron-rl report: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {path}")
-    return 0

@@ -85,7 +85,7 @@ def run(args, out_dir: Path, overrides) -> list:
     return read_metrics(str(out_dir))
 
 
-ROLES = {"megatron_rl.rollout.server": 0, "ray::TrainerWorker": 1}  # cmdline marker -> core
+ROLES = {"megatron_rl.rollout.embedded.server": 0, "ray::TrainerWorker": 1}  # cmdline marker -> core
 
 
 def pin_roles(proc: subprocess.Popen) -> None:

@@ -38,8 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint  # noqa: E402
+from multiproc import run_distributed, tiny_hf_checkpoint  # noqa: E402
 
 LAYERS, BUDGET, PROMPT, LONGEST = 4, 4096, 16, 96
 

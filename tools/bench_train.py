@@ -53,8 +53,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint  # noqa: E402
+from multiproc import run_distributed, tiny_hf_checkpoint  # noqa: E402
 
 BATCH, PROMPT, RESPONSE, MICRO = 16, 64, 192, 4
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

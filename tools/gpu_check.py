@@ -288,7 +288,7 @@ def section_megatron_hf(ctx: Ctx) -> dict:
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
     from megatron_rl.models.weights import export_hf_state_dict
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from multiproc import tiny_hf_checkpoint
 
     ctx.init_megatron()
     from transformers import AutoModelForCausalLM
@@ -335,9 +335,9 @@ def section_megatron_hf(ctx: Ctx) -> dict:
 
 
 def section_engine(ctx: Ctx) -> dict:
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+    from multiproc import tiny_hf_checkpoint
 
     size = {} if ctx.cpu else dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
                                    num_key_value_heads=4, head_dim=64, intermediate_size=2816, vocab_size=32000)

@@ -47,7 +47,7 @@ def _groups(ctx):
 
 def _checkpoint(ctx, kind: str = "dense", big: bool = True) -> str:
     """A random HF checkpoint: tiny on CPU; Qwen3-0.6B's shape (``big``) or a 4-layer one on GPU."""
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from multiproc import tiny_hf_checkpoint
 
     size = {}
     if not ctx.cpu:
@@ -198,7 +198,7 @@ def section_checkpoint(ctx) -> dict:
 
 # ---- sync ----------------------------------------------------------------------------------------------
 def _engine(ctx, path: str, dtype, guard, **cfg):
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 
     model = EmbeddedEngine.from_pretrained(path, dtype=dtype, device=ctx.device.type).model
     if guard is not None:
@@ -207,7 +207,7 @@ def _engine(ctx, path: str, dtype, guard, **cfg):
 
 
 def section_sync(ctx) -> dict:
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig
 
     groups = _groups(ctx)
     _free(ctx)
@@ -241,9 +241,9 @@ def _reward(response) -> float:
 def section_rl_loop(ctx) -> dict:
     from megatron_rl.advantages.outcome import grpo
     from megatron_rl.orchestration.batching import token_rewards
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig
+    from multiproc import tiny_hf_checkpoint
     from megatron_rl.training import TrainBatch
 
     groups = _groups(ctx)

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
-from megatron_rl.testing import run_distributed  # noqa: E402
+from multiproc import run_distributed  # noqa: E402
 
 VOCAB = 151936
 SHAPES = {  # Qwen3 configs: hidden, layers, q heads, kv heads, head_dim, FFN

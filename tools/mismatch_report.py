@@ -54,8 +54,8 @@ REFORWARD = "bf16 teacher-forced forward: one sequence (prompt + response) per p
 
 def sample(model: str, prompts: List[List[int]], n: int, max_new_tokens: int, seed: int):
     """bf16 engine samples: (prompt ids, response ids, recorded log-probs) per sequence."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
     engine = EmbeddedEngine.from_pretrained(model, EmbeddedEngineConfig(seed=seed, max_batch_rows=MAX_BATCH_ROWS),
                                             dtype=torch.bfloat16)

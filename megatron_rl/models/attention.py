@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.models import packed_attention as packed
@@ -51,7 +52,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
-        from megatron.core.transformer.enums import AttnMaskType
 
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError("SDPACoreAttention supports vanilla softmax without sliding window only")

@@ -219,19 +219,6 @@ def check_divisibility(arch: HFArch, layout: ParallelLayout) -> None:
             raise ValueError(f"{what}={n} is not divisible by the parallel size {parts}")
 
 
-def _fused_wgrad(cfg: ModelConfig) -> bool:
-    """``model.fused_elementwise`` on the local spec also accumulates weight gradients into Megatron DDP's
-    fp32 ``main_grad`` inside the wgrad GEMM (:mod:`megatron_rl.models.fused_wgrad`)."""
-    from megatron_rl.models import fused_layer, fused_wgrad
-    from megatron_rl.models.spec import resolve_layer_spec
-
-    on = resolve_layer_spec(cfg.layer_spec) == "local" and fused_layer.resolve(cfg.fused_elementwise,
-                                                                              torch.cuda.is_available())
-    if on:
-        fused_wgrad.install()
-    return on
-
-
 def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *, initialize: bool = True):
     """The Megatron ``TransformerConfig`` for ``arch`` split over ``layout`` (CPU-safe settings).
 
@@ -278,7 +265,7 @@ def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *
         # every fusion off: they need CUDA kernels (and are numerically different from HF)
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=_fused_wgrad(cfg),  # ours in torch (models/fused_wgrad.py), not Apex's
+        gradient_accumulation_fusion=False,  # models.spec.use_fused_wgrad turns it on (ours in torch, not Apex's)
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,

@@ -28,9 +28,9 @@ from typing import Callable, Dict, Set, Tuple
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.mlp import MLP
-
-from megatron_rl.models.spec import RMSNorm
 
 MODES = ("auto", "on", "off")
 BACKEND = "inductor"
@@ -80,6 +80,7 @@ def compiled(fn: Callable) -> Callable:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` in float32, cast back before the weight (HF order)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -103,15 +104,8 @@ def bias_residual_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------------
-# Modules and functions of the local layer spec
+# Modules and functions of the local layer spec (FusedRMSNorm: models/spec.py)
 # ---------------------------------------------------------------------------------------------------
-
-
-class FusedRMSNorm(RMSNorm):
-    """:class:`~megatron_rl.models.spec.RMSNorm` (same parameters and checkpoint keys) in one fused call."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return compiled(rms_norm)(x, self.weight, self.eps)
 
 
 class _SubclassNotUnknown(logging.Filter):
@@ -142,8 +136,6 @@ class FusedMLP(MLP):
 def fused_bias_dropout_add(training: bool, fused: bool) -> Callable:
     """Drop-in for Megatron's ``get_bias_dropout_add``: the residual add (and bias) fused when no dropout
     is drawn; with dropout in training, Megatron's own function (its RNG)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-
     eager = get_bias_dropout_add(training, fused)
 
     def bias_dropout_add(x_with_bias, residual, prob):
@@ -163,8 +155,6 @@ _rope_state = {"on": False, "eager": None}
 def install_rope(on: bool) -> None:
     """Route Megatron's ``_apply_rotary_pos_emb_bshd`` (padded and, through :mod:`megatron_rl.compat`,
     packed RoPE) through the compiled copy of itself when ``on``; process-wide."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     if _rope_state["eager"] is None:
         _rope_state["eager"] = rope_utils._apply_rotary_pos_emb_bshd
         rope_utils._apply_rotary_pos_emb_bshd = _rope_bshd

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Dict, Tuple
 
 import torch
+from megatron.core.tensor_parallel import layers
 
 CALLS = {"fused": 0, "fallback": 0}  # read by the tests: the fused path ran
 _dummies: Dict[Tuple, torch.Tensor] = {}
@@ -63,8 +64,6 @@ def get_dummy_wgrad(shape, dtype: torch.dtype, zero: bool = False) -> torch.Tens
 
 def install() -> None:
     """Make Megatron's linears able to run with ``gradient_accumulation_fusion=True`` (idempotent)."""
-    from megatron.core.tensor_parallel import layers
-
     if getattr(layers, "_megatron_rl_wgrad", False):
         return
     if not layers._grad_accum_fusion_available:  # Apex present: keep its kernel

@@ -20,7 +20,21 @@ import importlib.util
 from typing import List
 
 import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset,
+)
 
+from megatron_rl.models import fused_layer, fused_wgrad
 from megatron_rl.models.attention import SDPACoreAttention
 from megatron_rl.models.config import ModelConfig
 
@@ -36,9 +50,29 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused_layer.rms_norm(x, self.weight, self.eps)
+
+
+class FusedRMSNorm(RMSNorm):
+    """:class:`RMSNorm` (same parameters and checkpoint keys) as one compiled call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_layer.compiled(fused_layer.rms_norm)(x, self.weight, self.eps)
+
+
+def fused_on(cfg: ModelConfig) -> bool:
+    """``model.fused_elementwise`` resolved for this process's device, on the local spec only."""
+    return resolve_layer_spec(cfg.layer_spec) == "local" and fused_layer.resolve(cfg.fused_elementwise,
+                                                                                torch.cuda.is_available())
+
+
+def use_fused_wgrad(cfg: ModelConfig) -> bool:
+    """With the fused layer, weight gradients accumulate into DDP's fp32 ``main_grad`` inside the wgrad GEMM
+    (Megatron's ``gradient_accumulation_fusion``, :mod:`megatron_rl.models.fused_wgrad`): installed here."""
+    on = fused_on(cfg)
+    if on:
+        fused_wgrad.install()
+    return on
 
 
 def resolve_layer_spec(choice: str) -> str:
@@ -57,22 +91,9 @@ def resolve_layer_spec(choice: str) -> str:
 def _local_layer_spec(num_experts: int, qk_norm: bool, fused: bool = False):
     """One layer: dense MLP when ``num_experts == 0``, else Megatron's MoE layer (SequentialMLP);
     ``fused``: norms, SwiGLU and residual adds compiled (:mod:`megatron_rl.models.fused_layer`)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
-    from megatron_rl.models import fused_layer
-
     norm, mlp_cls, bda = RMSNorm, MLP, get_bias_dropout_add
     if fused:
-        norm, mlp_cls, bda = fused_layer.FusedRMSNorm, fused_layer.FusedMLP, fused_layer.fused_bias_dropout_add
+        norm, mlp_cls, bda = FusedRMSNorm, fused_layer.FusedMLP, fused_layer.fused_bias_dropout_add
     moe = num_experts > 0
     if moe:
         mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
@@ -117,19 +138,15 @@ def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
         return get_gpt_decoder_block_spec(
             tconfig, use_transformer_engine=True, normalization="RMSNorm", pp_rank=pp_rank
         )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if tconfig.moe_grouped_gemm:
         raise ValueError("model.moe_grouped_gemm needs the TE layer spec (the local spec runs experts one by one)")
     experts = tconfig.num_moe_experts or 0
     pattern = tconfig.moe_layer_freq if experts else [0] * tconfig.num_layers
-    from megatron_rl.models import fused_layer
-
-    fused = fused_layer.resolve(cfg.fused_elementwise, torch.cuda.is_available())
+    fused = fused_on(cfg)
     fused_layer.install_rope(fused)  # RoPE is applied inside Megatron's attention: process-wide
     specs: List = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm, fused) for is_moe in pattern]
     offset = get_transformer_layer_offset(tconfig, pp_rank=pp_rank)
     count = get_num_layers_to_build(tconfig, pp_rank=pp_rank)
-    final_norm = fused_layer.FusedRMSNorm if fused else RMSNorm
+    final_norm = FusedRMSNorm if fused else RMSNorm
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=final_norm)

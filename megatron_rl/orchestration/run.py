@@ -35,7 +35,7 @@ from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
 from megatron_rl.orchestration.modes import OneStepRollouts, Rollouts
-from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
+from megatron_rl.orchestration.rollout_phase import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -158,8 +158,8 @@ class Run:
         from megatron_rl.orchestration import placement
         from megatron_rl.orchestration.progress import maybe_board
         from megatron_rl.orchestration.trainer_group import TrainerGroup
-        from megatron_rl.rollout.balancer import RemoteEngine
-        from megatron_rl.rollout.http_client import SGLangClient
+        from megatron_rl.rollout.client.balancer import RemoteEngine
+        from megatron_rl.rollout.client.http_client import SGLangClient
 
         cfg, r = self.cfg, self.cfg.rollout
         trainer_spec, engine_spec = self._specs()
@@ -227,7 +227,7 @@ class Run:
 
         from megatron_rl.models.build import load_arch
         from megatron_rl.training.micro_batch import packed_lengths
-        from megatron_rl.training.schedule import WorkModel
+        from megatron_rl.training.token_budget import WorkModel
 
         model, cp = WorkModel.from_arch(load_arch(self.cfg.model.hf_path)), self.cfg.parallel.cp
         return lambda lengths: model(packed_lengths(torch.tensor(lengths), cp).tolist())

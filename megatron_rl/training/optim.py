@@ -23,6 +23,8 @@ from typing import Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 
 from megatron_rl.training import fused_optim, nan_guard
 from megatron_rl.training.config import OptimConfig
@@ -30,9 +32,6 @@ from megatron_rl.training.config import OptimConfig
 
 def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):
     """Wrap ``module`` (this rank's GPTModel stage) in Megatron DDP and build the Megatron optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         grad_reduce_in_fp32=True,  # bf16 models still accumulate and reduce gradients in fp32
@@ -67,15 +66,14 @@ def _leaf_optimizers(optimizer):
 
 
 def _clip(optimizer, max_norm: float, total_norm: float) -> None:
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     for opt in _leaf_optimizers(optimizer):
         if getattr(opt, "is_stub_optimizer", False):
             continue
         params = opt.get_parameters()
         if params:
-            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            # looked up at call time: the CPU compatibility layer wraps it (compat.py)
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
+                                                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 class _Snapshot:

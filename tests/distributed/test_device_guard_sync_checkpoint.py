@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import train_helpers  # noqa: F401  (warning filters for the ranks)
 
@@ -24,8 +24,8 @@ def _child(path, root):
     from device_guard import DeviceGuard
     from megatron_rl import parallel
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
     from megatron_rl.models.weights import save_hf_checkpoint
     from megatron_rl.training import checkpoint as ck

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 from model_helpers import export_mismatches, forward_logits, hf_logits, hf_tensors, make_inputs
 

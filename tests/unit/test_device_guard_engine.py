@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
 from rollout_models import other_weights, tiny_qwen3, tiny_qwen3_moe
 

@@ -9,7 +9,7 @@ import pytest
 from megatron_rl.config import EvalConfig
 from megatron_rl.config_io import ConfigError, build
 from megatron_rl.data.config import DataConfig
-from megatron_rl.orchestration.eval_cli import evaluate, fit_context, markdown_table, resolve
+from megatron_rl.orchestration.evaluate_model import evaluate, fit_context, markdown_table, resolve
 from megatron_rl.orchestration.evaluate import combine, group_metrics, k_values, pass_at_k
 
 from run_helpers import check_ok, quick_assets, run_cli

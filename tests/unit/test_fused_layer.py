@@ -45,12 +45,12 @@ def test_fused_functions_equal_unfused_and_compile_once(counter):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.common.embeddings import rope_utils
 
-    from megatron_rl.models.spec import RMSNorm
+    from megatron_rl.models.spec import FusedRMSNorm, RMSNorm
 
     eager_rope = fused_layer._rope_state["eager"] or rope_utils._apply_rotary_pos_emb_bshd
     megatron_bda = get_bias_dropout_add(True, False)
     cfg = type("C", (), {"params_dtype": torch.float64, "sequence_parallel": False})()
-    norm, fused_norm = RMSNorm(cfg, 24, eps=1e-6), fused_layer.FusedRMSNorm(cfg, 24, eps=1e-6)
+    norm, fused_norm = RMSNorm(cfg, 24, eps=1e-6), FusedRMSNorm(cfg, 24, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, 24, dtype=torch.float64))
         fused_norm.weight.copy_(norm.weight)

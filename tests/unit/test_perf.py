@@ -9,7 +9,7 @@ import torch
 from megatron_rl import perf
 from megatron_rl.models.config import HFArch
 from megatron_rl.profiling import Capture, ProfileConfig
-from megatron_rl.testing import TINY_MODELS, _TINY_COMMON
+from multiproc import TINY_MODELS, _TINY_COMMON
 
 
 def _hf(model_type, **overrides):

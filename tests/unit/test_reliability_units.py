@@ -99,7 +99,7 @@ def test_weight_group_store_listens_on_its_host_only():
     import torch.distributed as dist
 
     from megatron_rl.parallel import _free_port
-    from megatron_rl.rollout import weight_group
+    from megatron_rl.weights import group as weight_group
 
     store = weight_group.host_store("127.0.0.1", 2, timeout_s=30)
     joined = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=store.timeout, multi_tenant=True)

@@ -98,8 +98,8 @@ def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrid
 def test_remote_servers_distributed_transport_and_seed_check(assets, tmp_path):
     """engine=remote: weight_transport=auto is 'distributed' (SGLang takes no safetensors buckets), and a seeded
     run refuses a server whose /server_info says it ignores sampling_seed (no --enable-deterministic-inference)."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megatron_rl.rollout.server import EmbeddedServer
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
 
     from rollout_models import tiny_qwen3
 
@@ -170,7 +170,7 @@ def test_all_problems_reported_at_once(assets, tmp_path):
 
 
 def test_tokenizer_larger_than_model_vocabulary(assets, tmp_path):
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from multiproc import tiny_hf_checkpoint
 
     small = tiny_hf_checkpoint(str(tmp_path / "small"), "qwen3", vocab_size=32, max_position_embeddings=64)
     with pytest.raises(ConfigError) as e:
