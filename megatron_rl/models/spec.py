@@ -115,7 +115,13 @@ def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
         raise ValueError("model.moe_grouped_gemm needs the TE layer spec (the local spec runs experts one by one)")
     experts = tconfig.num_moe_experts or 0
     pattern = tconfig.moe_layer_freq if experts else [0] * tconfig.num_layers
-    specs: List = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm) for is_moe in pattern]
+    if getattr(tconfig, "multi_latent_attention", False):  # DeepSeek-V3-style layers
+        from megatron_rl.models import deepseek
+
+        moe, dense = (_local_layer_spec(n, False).submodules.mlp for n in (experts, 0))
+        specs: List = [deepseek.local_layer_spec(moe, dense, RMSNorm, bool(m)) for m in pattern]
+    else:
+        specs = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm) for is_moe in pattern]
     offset = get_transformer_layer_offset(tconfig, pp_rank=pp_rank)
     count = get_num_layers_to_build(tconfig, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=RMSNorm)
