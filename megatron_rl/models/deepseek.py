@@ -115,10 +115,7 @@ def hf_fields(hf: Any) -> Dict[str, Any]:
 
 
 def divisibility_checks(arch, tp: int) -> List[Tuple[str, int, int]]:
-    mla = arch.mla
-    out = [("kv_lora_rank + qk_rope_head_dim", mla.kv_lora_rank + mla.qk_rope_head_dim, tp)]
-    if mla.q_lora_rank:
-        out.append(("q_lora_rank", mla.q_lora_rank, tp))
+    mla, out = arch.mla, []  # the latent down projections are replicated over TP: any widths split
     if mla.shared_expert_ffn:
         out.append(("shared expert width (n_shared_experts * moe_intermediate_size)", mla.shared_expert_ffn, tp))
     return out
@@ -181,6 +178,7 @@ def _mla_core_attention():
 def local_layer_spec(moe_mlp_spec, dense_mlp_spec, norm, is_moe: bool):
     """One MLA decoder layer of the portable spec (Megatron's own modules but for core attention and norm)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
@@ -196,9 +194,13 @@ def local_layer_spec(moe_mlp_spec, dense_mlp_spec, norm, is_moe: bool):
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=MLASelfAttentionSubmodules(
                     linear_q_proj=ColumnParallelLinear,
-                    linear_q_down_proj=ColumnParallelLinear,
+                    # The down projections are replicated over TP (as the TE spec's "duplicated" TELinear):
+                    # split over TP (ColumnParallelLinear, Megatron's local spec), the rotary key's gradient
+                    # keeps only this rank's heads' share (its gather's backward is a plain split), so the
+                    # gradients at TP=2 came out ~5 % off while the forward matched.
+                    linear_q_down_proj=Linear,
                     linear_q_up_proj=ColumnParallelLinear,
-                    linear_kv_down_proj=ColumnParallelLinear,
+                    linear_kv_down_proj=Linear,
                     linear_kv_up_proj=ColumnParallelLinear,
                     core_attention=_mla_core_attention(),
                     linear_proj=RowParallelLinear,
@@ -229,11 +231,11 @@ def attention_units(unit_cls, arch, layer: int) -> list:
         out.append(U("column", "q_proj", layer, ((a + "q_proj.weight", (n * mla.qk_head_dim, H)),)))
     else:
         r = mla.q_lora_rank
-        out += [U("column", "q_down", layer, ((a + "q_a_proj.weight", (r, H)),)),
+        out += [U("replicated", "q_down", layer, ((a + "q_a_proj.weight", (r, H)),)),
                 U("replicated", "q_down_norm", layer, ((a + "q_a_layernorm.weight", (r,)),)),
                 U("column", "q_up", layer, ((a + "q_b_proj.weight", (n * mla.qk_head_dim, r)),))]
     kv = mla.kv_lora_rank
-    out += [U("column", "kv_down", layer, ((a + "kv_a_proj_with_mqa.weight", (kv + mla.qk_rope_head_dim, H)),)),
+    out += [U("replicated", "kv_down", layer, ((a + "kv_a_proj_with_mqa.weight", (kv + mla.qk_rope_head_dim, H)),)),
             U("replicated", "kv_down_norm", layer, ((a + "kv_a_layernorm.weight", (kv,)),)),
             U("column", "kv_up", layer, ((a + "kv_b_proj.weight", (n * (mla.qk_nope_head_dim + mla.v_head_dim), kv)),)),
             U("row", "attn_out", layer, ((a + "o_proj.weight", (H, n * mla.v_head_dim)),))]

@@ -169,9 +169,11 @@ def test_deepseek_v3_unsupported_variants_raise(field, value, match):
         HFArch.from_hf(DeepseekV3Config(**{**DEEPSEEK, field: value}))
 
 
-def test_deepseek_v3_divisibility_names_the_latent_widths():
+def test_deepseek_v3_divisibility_names_the_shared_expert_width():
     from transformers import DeepseekV3Config
 
-    arch = HFArch.from_hf(DeepseekV3Config(**{**DEEPSEEK, "kv_lora_rank": 30, "qk_rope_head_dim": 8}))
-    with pytest.raises(ValueError, match="kv_lora_rank \\+ qk_rope_head_dim=38 is not divisible by the parallel size 4"):
-        check_divisibility(arch, ParallelLayout(tp=4))
+    arch = HFArch.from_hf(DeepseekV3Config(**{**DEEPSEEK, "kv_lora_rank": 30, "n_shared_experts": 1,
+                                              "moe_intermediate_size": 36}))
+    check_divisibility(arch, ParallelLayout(tp=2))  # latent widths are not split over TP
+    with pytest.raises(ValueError, match=r"moe ffn hidden size=36 is not divisible by the parallel size 8|shared expert width .*=36 is not divisible by the parallel size 8"):
+        check_divisibility(HFArch.from_hf(DeepseekV3Config(**{**DEEPSEEK, "n_shared_experts": 1, "moe_intermediate_size": 36, "num_attention_heads": 8, "num_key_value_heads": 8})), ParallelLayout(tp=8))
