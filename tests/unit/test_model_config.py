@@ -177,3 +177,15 @@ def test_deepseek_v3_divisibility_names_the_shared_expert_width():
     check_divisibility(arch, ParallelLayout(tp=2))  # latent widths are not split over TP
     with pytest.raises(ValueError, match=r"moe ffn hidden size=36 is not divisible by the parallel size 8|shared expert width .*=36 is not divisible by the parallel size 8"):
         check_divisibility(HFArch.from_hf(DeepseekV3Config(**{**DEEPSEEK, "n_shared_experts": 1, "moe_intermediate_size": 36, "num_attention_heads": 8, "num_key_value_heads": 8})), ParallelLayout(tp=8))
+
+
+def test_deepseek_v3_mtp_layers_are_ignored_with_a_warning():
+    from transformers import DeepseekV3Config
+
+    from megatron_rl.models.deepseek import warn_ignored_mtp
+
+    arch = HFArch.from_hf(DeepseekV3Config(**DEEPSEEK, num_nextn_predict_layers=1))
+    assert arch.mla.num_mtp_layers == 1 and all(not n.startswith("model.layers.3.") for n in hf_shapes(arch))
+    names = list(hf_shapes(arch)) + ["model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight"]
+    with pytest.warns(UserWarning, match="2 tensors of multi-token-prediction layers \\(model.layers.3\\+\\) are ignored"):
+        warn_ignored_mtp(arch, names, "ckpt")
