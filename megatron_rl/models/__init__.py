@@ -8,6 +8,7 @@
   mapping.py  HF <-> Megatron names, shapes and sharding kinds (pure)
   weights.py  load_hf_weights(), iter_hf_weights() (streaming export), save_hf_checkpoint()
   router.py   MoE routing record / replay (RouterReplay wrapper)
+  deepseek.py DeepSeek-V3-style models: MLA, shared expert, sigmoid router with expert bias (MTP ignored)
 """
 
 from megatron_rl.models.config import SUPPORTED_MODEL_TYPES, HFArch, ModelConfig, padded_vocab_size
