@@ -13,6 +13,7 @@ runner ``reward``, the sampler ``data``, the engines ``rollout``. Nothing thread
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -21,7 +22,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence
 
 from megatron_rl import config_io
 from megatron_rl.advantages import AdvantageConfig
-from megatron_rl.data.config import DataConfig
+from megatron_rl.data.config import DataConfig, deferred_path_checks
 from megatron_rl.data.rewards.config import RewardConfig
 from megatron_rl.diagnostics import DiagnosticsConfig
 from megatron_rl.launch.slurm import SlurmConfig
@@ -29,7 +30,7 @@ from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import DenseKLConfig, ObjectiveConfig
 from megatron_rl.parallel import ParallelLayout
 from megatron_rl.profiling import ProfileConfig
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.weights.config import WeightSyncConfig
 from megatron_rl.training.config import OptimConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/sglang.py``."""
+    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/client/sglang.py``."""
 
     tp_size: int = 1  # GPUs per server
     mem_fraction_static: float = 0.8
@@ -154,7 +155,7 @@ class RolloutConfig:
     oversample_factor:      each refill round asks for ``ceil(missing * factor)`` more prompts.
     logprob_mode:           ``raw`` (SGLang's ``output_token_logprobs``, full-vocabulary) or ``processed``
                             (renormalised over the top-k/top-p set, SGLang's ``output_token_sampling_logprobs``:
-                            pair it with DVP in the objective, and a top-k <= 4096), see rollout/protocol.py.
+                            pair it with DVP in the objective, and a top-k <= 4096), see rollout/client/protocol.py.
     seeded:                 per-sample sampling seeds derived from (seed, step, round, slot, sample): rollouts are
                             reproducible and a resumed run matches an uninterrupted one. Needs
                             ``deterministic_inference``.
@@ -504,7 +505,9 @@ def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, pre
                 prepare_tiny_arithmetic(prep.dir, seed=prep.seed, model=prep.model)
             except ValueError as e:  # e.g. the directory holds the other model kind's assets
                 raise config_io.ConfigError(str(e)) from None
-    cfg = build_run_config(mapping)
+    # checked: a missing data file is listed with every other problem (check_run_config), not alone
+    with deferred_path_checks() if check else contextlib.nullcontext():
+        cfg = build_run_config(mapping)
     if check:
         from megatron_rl.config_checks import check_run_config
 

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import torch
+
 
 @dataclass(frozen=True)
 class ProfileConfig:
@@ -57,7 +59,6 @@ class Capture:
         self._path: Optional[str] = None
 
     def start(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
-        import torch
         from torch.profiler import ProfilerActivity, profile
 
         if self._prof is not None:

@@ -35,7 +35,7 @@ from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration import batching
 from megatron_rl.orchestration.modes import OneStepRollouts, Rollouts
-from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
+from megatron_rl.orchestration.rollout_phase import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
 STATE_VERSION = 1
@@ -94,8 +94,9 @@ class Run:
     def _prepare_output_dir(self) -> None:
         cfg = self.cfg
         if cfg.overwrite and not cfg.resume:
-            for path in (cfg.checkpoint_root, os.path.join(cfg.output_dir, "tensorboard"),
-                         os.path.join(cfg.output_dir, "metrics.jsonl")):
+            # every output of the earlier run: a report/ or hf_final/ left beside new metrics would describe it
+            for path in (cfg.checkpoint_root, *(os.path.join(cfg.output_dir, name) for name in
+                                                ("tensorboard", "metrics.jsonl", "report", "hf_final"))):
                 if os.path.isdir(path):
                     shutil.rmtree(path)
                 elif os.path.exists(path):
@@ -157,8 +158,8 @@ class Run:
         from megatron_rl.orchestration import placement
         from megatron_rl.orchestration.progress import maybe_board
         from megatron_rl.orchestration.trainer_group import TrainerGroup
-        from megatron_rl.rollout.balancer import RemoteEngine
-        from megatron_rl.rollout.http_client import SGLangClient
+        from megatron_rl.rollout.client.balancer import RemoteEngine
+        from megatron_rl.rollout.client.http_client import SGLangClient
 
         cfg, r = self.cfg, self.cfg.rollout
         trainer_spec, engine_spec = self._specs()
@@ -226,7 +227,7 @@ class Run:
 
         from megatron_rl.models.build import load_arch
         from megatron_rl.training.micro_batch import packed_lengths
-        from megatron_rl.training.schedule import WorkModel
+        from megatron_rl.training.token_budget import WorkModel
 
         model, cp = WorkModel.from_arch(load_arch(self.cfg.model.hf_path)), self.cfg.parallel.cp
         return lambda lengths: model(packed_lengths(torch.tensor(lengths), cp).tolist())
@@ -241,7 +242,8 @@ class Run:
         info = self.trainers.infos[0]
         self.peak_flops = info.get("peak_flops")
         if self.peak_flops:
-            logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
+            logger.info("MFU (perf/*mfu: a fraction of the peak, not %%): %.3f TFLOP/s peak per device (%s; %s); "
+                        "%d trainer + %d engine device(s)%s",
                         self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,
                         self.devices.engine, " (colocated)" if self.devices.colocated else "")
 

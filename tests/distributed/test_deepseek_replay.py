@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 from test_routing_replay import _engine_batch, _layout_child
 
