@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List
 
@@ -482,3 +483,15 @@ def _vectorised_thd_rope() -> None:
 
     _apply_rotary_pos_emb_thd._megatron_rl_compat = True
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+
+
+@_patch(
+    reason="without Transformer Engine, multi_latent_attention imports TE's names as MagicMock placeholders and "
+    "sets HAVE_TE=True, so MLASelfAttention's isinstance(linear_proj, TELinear) raises TypeError",
+    remove_when="multi_latent_attention sets HAVE_TE from transformer_engine's real presence",
+)
+def _mla_without_transformer_engine() -> None:
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False

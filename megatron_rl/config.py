@@ -371,7 +371,8 @@ class PrepareConfig:
     kind: Literal["none", "tiny_arithmetic"] = "none"
     dir: str = "runs/assets"
     seed: int = 0
-    model: Literal["qwen3", "qwen3_moe"] = "qwen3"  # tiny_arithmetic: dense, or the MoE variant (8 experts, top-2)
+    # tiny_arithmetic: dense, the MoE variant (8 experts, top-2) or the DeepSeek-V3-style one (MLA, shared expert)
+    model: Literal["qwen3", "qwen3_moe", "deepseek_v3"] = "qwen3"
 
 
 @dataclass

@@ -158,6 +158,16 @@ TINY_MODELS = {
         "MixtralForCausalLM",
         dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
     ),
+    # (HF: head_dim is the rotary width) MLA with a query LoRA rank (q_lora_rank=None: a plain q projection), 1 dense + 2 MoE layers of 8 experts
+    # (4 groups, top-2 groups, top-4 experts), a shared expert, a sigmoid router with a score bias
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+             first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32,
+             qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, rope_theta=1e4),
+    ),
 }
 
 
@@ -182,5 +192,8 @@ def tiny_hf_checkpoint(path: str, model_type: str, seed: int = 0, **overrides: A
                 p.uniform_(0.5, 1.5)  # non-trivial norms catch a missing / misplaced norm weight
             else:
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: must shift the top-k
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path

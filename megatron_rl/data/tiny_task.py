@@ -44,15 +44,26 @@ TINY_QWEN3 = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attent
 # halved), while routing has real choices to replay; 8 experts split evenly over EP=2 or 4
 TINY_QWEN3_MOE = dict(TINY_QWEN3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+# The DeepSeek-V3-style variant (examples/tiny_cpu_deepseek.yaml): MLA (q LoRA 32, KV latent 32, 4 heads of
+# 16 + 16 rotary dims, values 16), layer 0 a dense MLP, layer 1 MoE: 8 routed experts of width 32 in 4 groups
+# (group-limited: a token's top-2 experts come from its best group of 4), sigmoid scores with a
+# score bias, routed weights renormalised then scaled by 2.5, plus a shared expert of width 32
+TINY_DEEPSEEK_V3 = dict(
+    {k: v for k, v in TINY_QWEN3.items() if k not in ("head_dim", "rope_theta")},
+    num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_group=4, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_nextn_predict_layers=0)
 MODELS = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3),
-          "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE)}
+          "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE),
+          "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TINY_DEEPSEEK_V3)}
 _VERSION = 1  # bump when the assets change, so stale directories are rebuilt
 
 
 def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, model: str = "qwen3", num_train: int = 1024,
                             sft_steps: int = 400, sft_lr: float = 3e-3, sft_batch: int = 32) -> Dict[str, str]:
     """Build the assets under ``directory`` unless a complete set with these parameters is there.
-    ``model``: ``qwen3`` (dense) or ``qwen3_moe``; a directory already holding the other kind raises
+    ``model``: ``qwen3`` (dense), ``qwen3_moe`` or ``deepseek_v3``; a directory already holding the other kind raises
     ValueError (dense and MoE assets never share a directory)."""
     if model not in MODELS:
         raise ValueError(f"prepare.model={model!r}: expected one of {sorted(MODELS)}")

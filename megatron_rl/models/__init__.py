@@ -11,6 +11,7 @@
   weights.py  load_hf_weights(), iter_hf_weights() (streaming export), save_hf_checkpoint()
   router.py   MoE routing record / replay (RouterReplay wrapper)
   shards.py   what each trainer rank owns of the HF weights: (Piece, tensor) pairs, no communication
+  deepseek.py DeepSeek-V3-style models: MLA, shared expert, sigmoid router with expert bias (MTP ignored)
 """
 
 from megatron_rl.models.config import SUPPORTED_MODEL_TYPES, HFArch, ModelConfig, padded_vocab_size

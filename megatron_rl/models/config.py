@@ -13,6 +13,7 @@ from typing import Any, Dict, Literal, Optional, Tuple
 
 import torch
 
+from megatron_rl.models import deepseek
 from megatron_rl.parallel import ParallelLayout
 
 # model_type -> (attention projections have a bias, q/k RMSNorm per head, MoE)
@@ -22,6 +23,7 @@ _FAMILIES: Dict[str, Tuple[bool, bool, bool]] = {
     "qwen3": (False, True, False),
     "qwen3_moe": (False, True, True),
     "mixtral": (False, False, True),
+    "deepseek_v3": (False, False, True),  # MLA + shared expert + sigmoid router: models/deepseek.py
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
@@ -101,6 +103,7 @@ class HFArch:
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: Tuple[bool, ...] = ()  # per layer: is it an MoE layer
+    mla: Optional[deepseek.MLAArch] = None  # DeepSeek-V3-style: MLA, shared expert, sigmoid router
 
     @property
     def is_moe(self) -> bool:
@@ -126,9 +129,14 @@ class HFArch:
             raise ValueError(f"{model_type}: sliding-window attention is not supported")
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        rope_theta, llama3_factor = _rope(hf)
         moe: Dict[str, Any] = {}
-        if is_moe:
+        if model_type == deepseek.MODEL_TYPE:  # MLA has its own RoPE fields (arch.mla.rope)
+            moe = deepseek.hf_fields(hf)
+            head_dim = moe.pop("head_dim")
+            rope_theta, llama3_factor = dict(moe["mla"].rope)["rotary_base"], None
+        else:
+            rope_theta, llama3_factor = _rope(hf)
+        if is_moe and not moe:
             num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts")
             if model_type == "mixtral":
                 layers = (True,) * hf.num_hidden_layers
@@ -153,7 +161,7 @@ class HFArch:
             ffn_hidden_size=hf.intermediate_size,
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=moe.pop("num_kv_heads", None) or getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             rope_theta=rope_theta,
@@ -210,6 +218,8 @@ def check_divisibility(arch: HFArch, layout: ParallelLayout) -> None:
     else:  # ranks then split the fused q/k/v rows of a KV group
         checks.append(("fused qkv rows (heads + 2 * kv_heads) * head_dim",
                        (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, tp))
+    if arch.mla is not None:
+        checks += deepseek.divisibility_checks(arch, tp)
     if arch.is_moe:
         checks += [("num_experts", arch.num_experts, ep), ("moe ffn hidden size", arch.moe_ffn_hidden_size, etp)]
     elif ep > 1:
@@ -288,9 +298,15 @@ def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *
             moe_permute_fusion=False,
             moe_enable_routing_replay=cfg.routing_replay,
         )
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    config_cls = TransformerConfig
+    if arch.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_cls = MLATransformerConfig
+        kwargs.update(deepseek.transformer_kwargs(arch))
+    known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(cfg.transformer_overrides) - known)
     if unknown:
         raise ValueError(f"model.transformer_overrides has unknown TransformerConfig fields: {unknown}")
     kwargs.update(cfg.transformer_overrides)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)

@@ -15,6 +15,7 @@ Sharding kinds (``P`` = the TP or expert-TP group, ``r`` its rank, ``n`` its siz
 * ``replicated`` — norms, q/k norms, the router: every rank holds the full tensor.
 * ``vocab`` — embedding / output layer ``[V_pad, H]``: rows split over TP after padding ``V`` to
   ``V_pad``; padded rows are zero and dropped on export.
+* ``column`` — column-parallel linears (MLA's projections): the output dimension (dim 0) is split.
 * ``row`` — row-parallel linears (``o_proj``, ``down_proj``): the input dimension (dim 1) is split.
 * ``qkv`` — Megatron fuses q/k/v per query group: for each KV head ``g`` the rows are
   ``[q heads of g | k_g | v_g]`` (``heads/kv_heads + 2`` head blocks); the interleaved tensor is
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rl.models import deepseek
 from megatron_rl.models.config import HFArch
 
 Shape = Tuple[int, ...]
@@ -38,7 +40,7 @@ Shape = Tuple[int, ...]
 
 @dataclass(frozen=True)
 class Unit:
-    kind: str  # replicated | vocab | row | qkv | glu | experts
+    kind: str  # replicated | vocab | column | row | qkv | glu | experts
     role: str  # which Megatron parameter: see locate()
     layer: Optional[int]  # global layer index; None for embedding / final norm / lm_head
     hf: Tuple[Tuple[str, Shape], ...]  # HF names and full shapes, in export order
@@ -69,20 +71,23 @@ def layer_units(arch: HFArch, layer: int) -> List[Unit]:
     p = f"model.layers.{layer}."
     a = p + "self_attn."
     qkv_rows = ((a + "q_proj", arch.num_heads * hd), (a + "k_proj", arch.num_kv_heads * hd), (a + "v_proj", arch.num_kv_heads * hd))
-    out = [
-        Unit("replicated", "input_norm", layer, ((p + "input_layernorm.weight", (H,)),)),
-        Unit("qkv", "qkv_weight", layer, tuple((n + ".weight", (r, H)) for n, r in qkv_rows)),
-    ]
-    if arch.qkv_bias:
-        out.append(Unit("qkv", "qkv_bias", layer, tuple((n + ".bias", (r,)) for n, r in qkv_rows)))
-    if arch.qk_norm:
-        out.append(Unit("replicated", "q_norm", layer, ((a + "q_norm.weight", (hd,)),)))
-        out.append(Unit("replicated", "k_norm", layer, ((a + "k_norm.weight", (hd,)),)))
-    out.append(Unit("row", "attn_out", layer, ((a + "o_proj.weight", (H, arch.num_heads * hd)),)))
+    out = [Unit("replicated", "input_norm", layer, ((p + "input_layernorm.weight", (H,)),))]
+    if arch.mla is not None:
+        out += deepseek.attention_units(Unit, arch, layer)
+    else:
+        out.append(Unit("qkv", "qkv_weight", layer, tuple((n + ".weight", (r, H)) for n, r in qkv_rows)))
+        if arch.qkv_bias:
+            out.append(Unit("qkv", "qkv_bias", layer, tuple((n + ".bias", (r,)) for n, r in qkv_rows)))
+        if arch.qk_norm:
+            out.append(Unit("replicated", "q_norm", layer, ((a + "q_norm.weight", (hd,)),)))
+            out.append(Unit("replicated", "k_norm", layer, ((a + "k_norm.weight", (hd,)),)))
+        out.append(Unit("row", "attn_out", layer, ((a + "o_proj.weight", (H, arch.num_heads * hd)),)))
     out.append(Unit("replicated", "post_norm", layer, ((p + "post_attention_layernorm.weight", (H,)),)))
     if arch.is_moe and arch.moe_layers[layer]:
         F, E = arch.moe_ffn_hidden_size, arch.num_experts
         out.append(Unit("replicated", "router", layer, ((_router_name(arch, layer), (E, H)),)))
+        if arch.mla is not None:
+            out += deepseek.moe_extra_units(Unit, arch, layer)
         names = []
         for e in range(E):
             gate, up, down = _expert_names(arch, layer, e)
@@ -137,9 +142,12 @@ def locate(role: str, model, layer_module=None) -> torch.nn.Parameter:
         return model.decoder.final_layernorm.weight
     if role == "output":
         return model.output_layer.weight
+    if role in deepseek.LOCATORS:
+        return deepseek.LOCATORS[role](lm)
     attn = lm.self_attention
     if role == "input_norm":
-        return _norm_weight(lm.input_layernorm, attn.linear_qkv)
+        # TE fuses it into linear_qkv (GQA) or keeps it separate (MLA: no linear_qkv)
+        return _norm_weight(lm.input_layernorm, getattr(attn, "linear_qkv", None))
     if role == "qkv_weight":
         return attn.linear_qkv.weight
     if role == "qkv_bias":

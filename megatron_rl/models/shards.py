@@ -5,8 +5,8 @@ rank's tensor fills. :func:`owned_pieces` yields them so that every element of e
 is produced by exactly one rank of the job: data-parallel (and context-parallel) replicas send nothing
 (``dp`` rank 0 does; expert-data-parallel rank 0 for experts), a TP-replicated tensor (norms, router)
 comes from TP rank 0, and a TP / expert-TP / EP shard is cut into the HF boxes it fills (a fused QKV shard
-into its q, k and v rows, a gate|up shard into two row ranges, a row-parallel shard into a column range,
-the padded vocabulary's tail dropped). The weight sync (``weights/sync.py``) sends each piece
+into its q, k and v rows, a gate|up shard into two row ranges, a column-parallel shard into a row range, a
+row-parallel shard into a column range, the padded vocabulary's tail dropped). The weight sync (``weights/sync.py``) sends each piece
 straight from its owner to the engine side, which assembles: no all-gather, no rank that sees everything.
 """
 
@@ -88,6 +88,10 @@ def _unit_pieces(built, unit: mapping.Unit, target) -> List[Tuple[Piece, torch.T
         (name, shape), = hf
         c0, c1 = shard_range(shape[1], tp.rank, tp.size, f"{name} columns")
         return [(Piece(name, shape, ((0, shape[0]), (c0, c1))), t)]
+    if unit.kind == "column":
+        (name, shape), = hf
+        r0, r1 = shard_range(shape[0], tp.rank, tp.size, f"{name} rows")
+        return [(Piece(name, shape, _rows(shape, r0, r1)), t)]
     if unit.kind == "glu":
         (gate, gshape), (up, ushape) = hf
         r0, r1 = shard_range(gshape[0], tp.rank, tp.size, f"{gate} rows")

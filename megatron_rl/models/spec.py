@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset,
 )
 
-from megatron_rl.models import fused_layer, fused_wgrad
+from megatron_rl.models import deepseek, fused_layer, fused_wgrad
 from megatron_rl.models.attention import SDPACoreAttention
 from megatron_rl.models.config import ModelConfig
 
@@ -145,8 +145,12 @@ def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
     pattern = tconfig.moe_layer_freq if experts else [0] * tconfig.num_layers
     fused = fused_on(cfg)
     fused_layer.install_rope(fused)  # RoPE is applied inside Megatron's attention: process-wide
-    specs: List = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm, fused) for is_moe in pattern]
+    norm = FusedRMSNorm if fused else RMSNorm
+    if getattr(tconfig, "multi_latent_attention", False):  # DeepSeek-V3-style layers
+        moe, dense = (_local_layer_spec(n, False, fused).submodules.mlp for n in (experts, 0))
+        specs: List = [deepseek.local_layer_spec(moe, dense, norm, bool(m)) for m in pattern]
+    else:
+        specs = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm, fused) for is_moe in pattern]
     offset = get_transformer_layer_offset(tconfig, pp_rank=pp_rank)
     count = get_num_layers_to_build(tconfig, pp_rank=pp_rank)
-    final_norm = FusedRMSNorm if fused else RMSNorm
-    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=final_norm)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=norm)

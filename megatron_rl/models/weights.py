@@ -25,7 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_rl.models import mapping
+from megatron_rl.models import deepseek, mapping
 from megatron_rl.models.built import Axis, BuiltModel
 from megatron_rl.models.mapping import QKVLayout, Unit, shard_range
 
@@ -58,6 +58,10 @@ class SafetensorsDir:
         if fn not in self._handles:
             self._handles[fn] = self._open(fn, framework="pt")
         return self._handles[fn].get_slice(name)
+
+    @property
+    def names(self) -> List[str]:
+        return list(self._files)
 
     def shape(self, name: str) -> Tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -154,6 +158,8 @@ def _load_unit(built: BuiltModel, reader: SafetensorsDir, unit: Unit, target) ->
         value = _load_vocab(reader, names[0], arch.vocab_size, target, tp)
     elif unit.kind == "row":
         value = _load_row(reader, names[0], unit.hf[0][1][1], tp)
+    elif unit.kind == "column":
+        value = reader.read(names[0], rows=shard_range(unit.hf[0][1][0], tp.rank, tp.size, f"{names[0]} rows"))
     elif unit.kind == "qkv":
         value = _load_qkv(reader, names, QKVLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim), tp)
     elif unit.kind == "glu":
@@ -170,6 +176,8 @@ def load_hf_weights(built: BuiltModel, hf_dir: str) -> None:
     Raises ValueError when a tensor's shape disagrees with the config or a parameter is left unset.
     """
     reader = SafetensorsDir(hf_dir)
+    if built.arch.mla is not None:
+        deepseek.warn_ignored_mtp(built.arch, reader.names, hf_dir)
     layers = dict(built.layers())
     loaded = set()
     for unit in mapping.units(built.arch):
@@ -232,6 +240,8 @@ def _gather_unit(built: BuiltModel, unit: Unit, target) -> List[torch.Tensor]:
         return [_cat(shards)[: arch.vocab_size]]
     if unit.kind == "row":
         return [_cat(shards, dim=1)]
+    if unit.kind == "column":
+        return [_cat(shards)]
     if unit.kind == "qkv":
         return list(QKVLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim).split(_cat(shards)))
     if unit.kind == "glu":
@@ -267,8 +277,9 @@ def iter_hf_weights(built: BuiltModel, *, all_stages: bool = True) -> Iterator[T
         tensors = _gather_unit(built, unit, _local_param(built, unit, layers)) if mine else None
         if shard.pp.size > 1 and all_stages:
             src = dist.get_global_rank(shard.pp.group, owner)
+            unit_dtype = torch.float32 if unit.role in deepseek.FLOAT32_ROLES else dtype
             for i, (name, shape) in enumerate(unit.hf):
-                buf = tensors[i].contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+                buf = tensors[i].contiguous() if mine else torch.empty(shape, dtype=unit_dtype, device=device)
                 dist.broadcast(buf, src=src, group=shard.pp.group)
                 yield name, buf
         elif mine:

@@ -2,7 +2,7 @@
 
 Tolerance: float32 logits within 1e-4 absolute of HF's. Measured: bitwise equal for dense models at
 TP=1 and PP=2; <= 2e-6 at TP=2 and for MoE at EP=2, TP=2 x EP=2 and TP=2 x EP=2 x ETP=1 (different
-reduction orders). Export — and the saved HF directory, reloaded by ``from_pretrained`` — is bitwise.
+reduction orders); DeepSeek-V3-style (MLA) <= 3e-6. Export — and the saved HF directory, reloaded by ``from_pretrained`` — is bitwise.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ MOE_CASES = {
     # layer 1 is dense (mlp_only_layers): mixes MoE and dense layers
     "qwen3_moe": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
     "mixtral": ("mixtral", {}),
+    # MLA with a q LoRA rank, shared expert, sigmoid router + score bias, group-limited top-4, layer 0 dense
+    "deepseek_v3": ("deepseek_v3", {}),
+    # MLA without a q LoRA rank, YaRN RoPE (its attention scale and cos/sin magnitude)
+    "deepseek_v3_yarn": ("deepseek_v3", {"q_lora_rank": None, "rope_parameters": dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)}),
 }
 
 

@@ -1,6 +1,7 @@
 """MoE routing record / replay: recorded ids equal HF's router top-k; replay forces given ids, reproduces
 the natural forward and gradients exactly when given the natural ids, and lets gradients reach the
-router weight; misaligned ids fail loudly."""
+router weight; misaligned ids fail loudly. For Qwen3-MoE (softmax top-2) and DeepSeek-V3 (sigmoid scores +
+expert bias, group-limited top-4, a shared expert that is never routed)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,27 @@ from multiproc import run_distributed, tiny_hf_checkpoint
 
 from model_helpers import hf_model, make_inputs
 
-MOE_LAYERS = [0, 2]  # layer 1 is dense
+CASES = {  # model type, overrides, MoE layers
+    "qwen3_moe": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}, [0, 2]),  # layer 1 is dense
+    "deepseek_v3": ("deepseek_v3", {}, [1, 2]),  # first_k_dense_replace=1
+}
 
 
-def _hf_topk(path, ids):
+def _hf_topk(path, ids, moe_layers):
     """{layer: [s*b, topk]} chosen by HF's routers, sequence-major like Megatron."""
     from megatron_rl.models.router import tokens_from_batch_major
 
     model, seen = hf_model(path), {}
-    for i in MOE_LAYERS:
+    for i in moe_layers:
         gate = model.model.layers[i].mlp.gate
         gate.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out[2]))
     with torch.no_grad():
         model(ids)
     b, s = ids.shape
-    return {i: tokens_from_batch_major(seen[i].reshape(b, s, -1)) for i in MOE_LAYERS}
+    return {i: tokens_from_batch_major(seen[i].reshape(b, s, -1)) for i in moe_layers}
 
 
-def _routing_child(path, ids, hf_ids):
+def _routing_child(path, ids, hf_ids, moe_layers):
     from megatron_rl import parallel
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
@@ -66,7 +70,8 @@ def _routing_child(path, ids, hf_ids):
             logits2, grads2 = run()
         local_forced = {i: t.chunk(tp.size)[tp.rank] if built.tconfig.sequence_parallel else t for i, t in forced.items()}
         errors = []
-        for bad in ({0: recorded[0]}, {i: t[:-2] for i, t in recorded.items()}):
+        topk = built.arch.moe_topk
+        for bad in ({moe_layers[0]: recorded[moe_layers[0]]}, {i: t[:-2] for i, t in recorded.items()}):
             try:
                 with replay_routing(built, bad):
                     model(ids, pos, attention_mask=None)
@@ -75,12 +80,12 @@ def _routing_child(path, ids, hf_ids):
         out[str(layout)] = {
             "layers": rec.layers,
             "recorded_equals_hf": all(
-                torch.equal(recorded[i].sort(-1).values, hf_ids[i].sort(-1).values) for i in MOE_LAYERS
+                torch.equal(recorded[i].sort(-1).values, hf_ids[i].sort(-1).values) for i in moe_layers
             ),
             "replay_same_logits": (logits1 - logits0).abs().max().item(),
             "replay_same_router_grads": max((grads1[i] - grads0[i]).abs().max().item() for i in routers),
             "forced_used": all(
-                torch.equal(chosen[i].nonzero()[:, 1].view(-1, 2).sort(-1).values, local_forced[i].sort(-1).values)
+                torch.equal(chosen[i].nonzero()[:, 1].view(-1, topk).sort(-1).values, local_forced[i].sort(-1).values)
                 for i in routers
             ),
             "forced_changes_logits": (logits2 - logits0).abs().max().item(),
@@ -91,15 +96,17 @@ def _routing_child(path, ids, hf_ids):
 
 
 @pytest.mark.timeout(300)
-def test_record_and_replay_routing(tmp_path):
-    path = tiny_hf_checkpoint(str(tmp_path / "moe"), "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_record_and_replay_routing(tmp_path, case):
+    model_type, overrides, moe_layers = CASES[case]
+    path = tiny_hf_checkpoint(str(tmp_path / "moe"), model_type, **overrides)
     ids = make_inputs(250, seed=3)
-    hf_ids = _hf_topk(path, ids)
-    results = run_distributed(_routing_child, 2, path, ids, hf_ids, timeout_s=280)
+    hf_ids = _hf_topk(path, ids, moe_layers)
+    results = run_distributed(_routing_child, 2, path, ids, hf_ids, moe_layers, timeout_s=280)
     for rank, per_layout in enumerate(results):
         for layout, r in per_layout.items():
             where = f"rank {rank} {layout}"
-            assert r["layers"] == MOE_LAYERS, where
+            assert r["layers"] == moe_layers, where
             assert r["recorded_equals_hf"], where
             assert r["replay_same_logits"] == 0.0, (where, r)
             assert r["replay_same_router_grads"] <= 1e-7, (where, r)
@@ -107,5 +114,5 @@ def test_record_and_replay_routing(tmp_path):
             assert r["forced_changes_logits"] > 1e-3, (where, r)
             assert 0.0 < r["forced_router_grad_norm"] < float("inf"), (where, r)
             assert len(r["errors"]) == 2, (where, r["errors"])
-            assert "no expert ids for MoE layer(s) [2]" in r["errors"][0]
+            assert f"no expert ids for MoE layer(s) {moe_layers[1:]}" in r["errors"][0]
             assert "22 tokens of expert ids but the model routes 24" in r["errors"][1]
