@@ -17,6 +17,7 @@ Entry point: :func:`rl_loss` ``(LossInputs, ObjectiveConfig, ReduceGroups, Norma
   selection.py          masks and weights, decided before any differentiable math
   metrics.py            diagnostics with fused reductions
   loss.py               composition, step normaliser
+  passes.py             StepPasses: which passes a step needs (forward, reference, gain), from the objective
 """
 
 from megatron_rl.objectives.aggregate import AggregationConfig
@@ -25,6 +26,7 @@ from megatron_rl.objectives.dense_kl import DenseKLConfig, add_future_kl_cost, d
 from megatron_rl.objectives.dvp import DVPConfig, PrunedStats, pruned_token_stats
 from megatron_rl.objectives.kl_penalty import EntropyBonusConfig, KLPenaltyConfig, kl_in_reward, kl_per_token
 from megatron_rl.objectives.loss import Normalizer, rl_loss, step_normalizer
+from megatron_rl.objectives.passes import StepPasses, needs_reference_logits, needs_sample_kl_reference
 from megatron_rl.objectives.policy_loss import PolicyLossConfig
 from megatron_rl.objectives.records import LossInputs
 from megatron_rl.objectives.reduce import ReduceGroups
@@ -37,8 +39,9 @@ from megatron_rl.objectives.trm_bounds import TRMBounds, trm_bounds
 __all__ = [
     "AggregationConfig", "DVPConfig", "DenseKLConfig", "EntropyBonusConfig", "KLPenaltyConfig", "LossInputs",
     "Normalizer", "ObjectiveConfig", "PRESETS", "PolicyLossConfig", "PrunedStats", "ReduceGroups", "RejectionRule",
-    "RolloutCorrectionConfig", "RoutingMaskConfig", "Selection", "TRMBounds", "TRMConfig", "add_future_kl_cost",
+    "RolloutCorrectionConfig", "RoutingMaskConfig", "Selection", "StepPasses", "TRMBounds", "TRMConfig", "add_future_kl_cost",
     "dense_kl_per_token",
-    "exact_rollout_kl", "future_kl_cost_to_go", "kl_in_reward", "kl_per_token", "pruned_token_stats", "rl_loss",
+    "exact_rollout_kl", "future_kl_cost_to_go", "kl_in_reward", "kl_per_token", "needs_reference_logits",
+    "needs_sample_kl_reference", "pruned_token_stats", "rl_loss",
     "select_tokens", "step_normalizer", "trm_bounds",
 ]

@@ -14,6 +14,7 @@ from typing import Literal, Optional, Tuple
 
 from megatron_rl.models.config import ModelConfig
 from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.objectives.passes import needs_reference_logits
 from megatron_rl.routing.config import RoutingDiagnosticsConfig
 from megatron_rl.schedules import LRScheduleConfig
 
@@ -175,8 +176,7 @@ class TrainConfig:
 
     @property
     def needs_reference_logits(self) -> bool:
-        o = self.objective
-        return o.dense_kl.beta > 0 or (o.kl_penalty.in_loss and o.kl_penalty.estimator == "exact")
+        return needs_reference_logits(self.objective)
 
     @property
     def dvp_min_p(self) -> Optional[float]:
