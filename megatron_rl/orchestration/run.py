@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 
 from megatron_rl import perf
 from megatron_rl.config import RunConfig, dump_yaml
-from megatron_rl.config_checks import batch_unit
+from megatron_rl.config.checks import batch_unit
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.models.build import load_arch
 from megatron_rl.orchestration import startup
