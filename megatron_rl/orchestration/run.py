@@ -114,7 +114,7 @@ class Run:
         cfg, data = self.cfg, self.data
         self.rollouts = RolloutPhase(cfg.rollout, self.cluster.engine, data.tokenizer, data.sampler, data.rewards,
                                      seed=cfg.seed, batch_unit=batch_unit(cfg), progress_bars=cfg.logging.progress,
-                                     routed_experts=cfg.train.routing_replay)
+                                     routing_replay=cfg.train.routing_replay)
         self._closers.append(self.rollouts.close)
         self.evaluation = EvalPhase(cfg, data.eval_datasets, self.rollouts, self.timer)
 
