@@ -16,8 +16,12 @@
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics
   evaluate.py        held-out evaluation through the engines: pass@k (unbiased) and mean@k per dataset
   eval_cli.py        ``megatron-rl eval RECIPE_OR_HF_DIR``: the same evaluation, stand-alone
-  run.py             Run: a run's resources (start-up, resume, tear-down) and its phases
+  startup.py         a run's resources: data, reward workers, Ray, placement, trainer ranks, engines, clients
+  phases/            the phase objects: training, weight publishing, engine health, checkpoints, evaluation,
+                     profiling, the step's metrics line
+  run.py             Run: builds the resources and the phases at start-up (resume or step-0 check), tears down
   driver.py          train(cfg): the loop, one named call per phase
+  hooks.py           named points where tests inject faults (tests/fault_hooks.py registers them)
   cli.py             ``megatron-rl train RECIPE [key=value ...] [--dry-run]``
 
 Nothing here is imported by ``megatron_rl`` itself: Ray is only loaded by a run.
