@@ -11,19 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.objectives.config import ObjectiveConfig
-
-
-def needs_reference_logits(objective: ObjectiveConfig) -> bool:
-    """The exact per-token KL to a reference policy: the dense KL or an exact KL penalty in the loss."""
-    kl = objective.kl_penalty
-    return objective.dense_kl.beta > 0 or (kl.in_loss and kl.estimator == "exact")
-
-
-def needs_sample_kl_reference(objective: ObjectiveConfig) -> bool:
-    """A sample-based KL penalty: log π_ref of the sampled tokens, from the reference model's own pass."""
-    kl = objective.kl_penalty
-    return kl.coef > 0 and kl.estimator != "exact"
+from megatron_rl.config.objective import ObjectiveConfig
 
 
 @dataclass(frozen=True)
@@ -37,9 +25,9 @@ class StepPasses:
     def of(cls, objective: ObjectiveConfig, *, advantage_estimator: str, gain: bool,
            ref_logprobs: bool) -> "StepPasses":
         """``objective``: the step's (the warm-up has its own); ``ref_logprobs``: whether the run's trainer has
-        the sample-KL reference (:func:`needs_sample_kl_reference` of the run's objective)."""
+        the sample-KL reference (``needs_sample_kl_reference`` of the run's objective)."""
         kl = objective.kl_penalty
         forward = (objective.policy.mode == "decoupled" or advantage_estimator == "otb" or gain
                    or objective.dense_kl.beta > 0 or (kl.coef > 0 and kl.placement == "reward"))
-        return cls(forward=forward, reference_logits=needs_reference_logits(objective), ref_logprobs=ref_logprobs,
+        return cls(forward=forward, reference_logits=objective.needs_reference_logits, ref_logprobs=ref_logprobs,
                    gain=gain)

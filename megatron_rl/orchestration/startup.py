@@ -21,7 +21,6 @@ from megatron_rl.data.rewards.runner import RewardRunner
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.models.build import load_arch
-from megatron_rl.objectives import needs_sample_kl_reference
 from megatron_rl.orchestration import placement
 from megatron_rl.orchestration.colocation import Colocation
 from megatron_rl.orchestration.engine_worker import EngineSpec
@@ -86,7 +85,7 @@ class Cluster:
 def worker_specs(cfg: RunConfig) -> Tuple[TrainerSpec, Optional[EngineSpec]]:
     r = cfg.rollout
     # a sample-based KL needs log pi_ref of the sampled tokens: the trainer loads the reference for it
-    ref_lp = (cfg.train.reference_model or cfg.model) if needs_sample_kl_reference(cfg.train.objective) else None
+    ref_lp = (cfg.train.reference_model or cfg.model) if cfg.train.objective.needs_sample_kl_reference else None
     # with routing replay, the post-sync probe replays each engine's routing of the probe too
     weight_sync = dataclasses.replace(r.weight_sync, replay_routing=cfg.train.routing_replay)
     if r.engine == "embedded" and weight_sync.engine_dtype is None:  # send what the engine holds

@@ -24,11 +24,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.config import ModelConfig, torch_dtype
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.parallel import ParallelLayout
 from megatron_rl.rollout.weight_sync import WeightSyncConfig
-from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.config.train import OptimConfig, TrainConfig
 
 
 @dataclass
@@ -108,7 +108,7 @@ class TrainerWorker:
         if self.rank == 0:  # the device's peak FLOP/s, for MFU (a table, or a matmul measured once here)
             from megatron_rl.perf import device_peak_flops
 
-            info.update(device_peak_flops(spec.model.torch_dtype))
+            info.update(device_peak_flops(torch_dtype(spec.model)))
         return info
 
     def set_progress(self, reporter) -> None:

@@ -14,7 +14,7 @@
 """
 
 from megatron_rl.training.batch import MicroBatch, TrainBatch, make_micro_batches
-from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.config.train import OptimConfig, TrainConfig
 from megatron_rl.training.engine import PolicyTrainer
 from megatron_rl.training.results import ForwardResult, StepResult
 

@@ -38,7 +38,7 @@ from megatron_rl.routing.trainer import TrainerRouting
 from megatron_rl.schedules import LRSchedule, set_lr
 from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
-from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.config.train import OptimConfig, TrainConfig
 from megatron_rl.training.micro_batch import build_micro_batches, fixed_size_groups, packed_lengths, stream_multiple
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches

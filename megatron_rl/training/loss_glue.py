@@ -31,7 +31,7 @@ import torch
 from megatron_rl.objectives import LossInputs, Normalizer, ReduceGroups, pruned_token_stats, rl_loss
 from megatron_rl.objectives.records import batch_tokens
 from megatron_rl.training.batch import MicroBatch
-from megatron_rl.training.config import TrainConfig
+from megatron_rl.config.train import TrainConfig
 from megatron_rl.training.head import Head
 
 Tensor = torch.Tensor

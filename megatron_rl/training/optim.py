@@ -21,7 +21,7 @@ from typing import Iterable, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rl.training.config import OptimConfig
+from megatron_rl.config.train import OptimConfig
 
 
 def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):

@@ -11,7 +11,7 @@ from megatron_rl import perf
 from megatron_rl.config import RunConfig
 from megatron_rl.diagnostics import gain_decomposition
 from megatron_rl.metrics import PhaseTimer
-from megatron_rl.objectives import ObjectiveConfig, StepPasses, needs_sample_kl_reference
+from megatron_rl.objectives import ObjectiveConfig, StepPasses
 from megatron_rl.orchestration import batching
 from megatron_rl.orchestration.rollout import RolloutBatch
 from megatron_rl.orchestration.trainer_group import TrainerGroup
@@ -28,7 +28,7 @@ class StepPlan:
 class TrainingPhase:
     def __init__(self, cfg: RunConfig, trainers: TrainerGroup, timer: PhaseTimer, flops: perf.ModelFlops):
         self.cfg, self.trainers, self.timer, self.flops = cfg, trainers, timer, flops
-        self._ref_logprobs = needs_sample_kl_reference(cfg.train.objective)  # the trainer holds that reference
+        self._ref_logprobs = cfg.train.objective.needs_sample_kl_reference  # the trainer holds that reference
 
     def is_warmup(self, step: int) -> bool:
         return step <= self.cfg.warmup.steps

@@ -12,10 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
-from megatron_rl.models.config import ModelConfig
-from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.objectives.passes import needs_reference_logits
-from megatron_rl.routing.config import RoutingDiagnosticsConfig
+from megatron_rl.config.objective import ObjectiveConfig
+from megatron_rl.config.sections import ModelConfig, RoutingDiagnosticsConfig
 from megatron_rl.schedules import LRScheduleConfig
 
 _DEFAULT_SCHEDULE_LR = LRScheduleConfig().lr
@@ -176,7 +174,7 @@ class TrainConfig:
 
     @property
     def needs_reference_logits(self) -> bool:
-        return needs_reference_logits(self.objective)
+        return self.objective.needs_reference_logits
 
     @property
     def dvp_min_p(self) -> Optional[float]:
