@@ -28,8 +28,8 @@ from typing import Dict, Hashable, Optional, Sequence
 
 import torch
 
-from megatron_rl.objectives.divergence import clamp_log_ratio
 from megatron_rl.config.sections import DiagnosticsConfig  # noqa: F401 - its home before config/sections.py
+from megatron_rl.objectives.divergence import clamp_log_ratio
 
 Tensor = torch.Tensor
 

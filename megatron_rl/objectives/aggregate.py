@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.objectives.reduce import ProcessGroup, all_reduce, seq_count
 from megatron_rl.config.objective import AGGREGATION_MODES as MODES  # noqa: F401
 from megatron_rl.config.objective import DENOMINATORS, AggregationConfig  # noqa: F401
+from megatron_rl.objectives.reduce import ProcessGroup, all_reduce, seq_count
 
 Tensor = torch.Tensor
 

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.objectives.reduce import ProcessGroup, scan_along_sequence
 from megatron_rl.config.objective import DenseKLConfig
+from megatron_rl.objectives.reduce import ProcessGroup, scan_along_sequence
 
 Tensor = torch.Tensor
 

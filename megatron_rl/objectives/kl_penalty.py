@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.objectives.divergence import clamp_log_ratio
 from megatron_rl.config.objective import ESTIMATORS, PLACEMENTS, EntropyBonusConfig, KLPenaltyConfig  # noqa: F401
+from megatron_rl.objectives.divergence import clamp_log_ratio
 
 Tensor = torch.Tensor
 

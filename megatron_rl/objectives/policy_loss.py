@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.objectives.divergence import clamp_log_ratio
-from megatron_rl.objectives.reduce import ProcessGroup, seq_sum_count
 from megatron_rl.config.objective import LOSSES, PolicyLossConfig  # noqa: F401
 from megatron_rl.config.objective import POLICY_MODES as MODES  # noqa: F401
+from megatron_rl.objectives.divergence import clamp_log_ratio
+from megatron_rl.objectives.reduce import ProcessGroup, seq_sum_count
 
 Tensor = torch.Tensor
 

@@ -34,9 +34,9 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_rl.objectives.divergence import SeqDivergenceStats, clamp_log_ratio, k2, k3
 from megatron_rl.config.objective import CORRECTION_LEVELS as LEVELS  # noqa: F401
 from megatron_rl.config.objective import PRESETS, STATISTICS, RejectionRule, RolloutCorrectionConfig  # noqa: F401
+from megatron_rl.objectives.divergence import SeqDivergenceStats, clamp_log_ratio, k2, k3
 
 Tensor = torch.Tensor
 

@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.objectives.reduce import seq_sum_count
 from megatron_rl.config.objective import ROUTING_MASK_LEVELS as LEVELS  # noqa: F401
 from megatron_rl.config.objective import RoutingMaskConfig
+from megatron_rl.objectives.reduce import seq_sum_count
 
 Tensor = torch.Tensor
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.objectives.divergence import SeqDivergenceStats
 from megatron_rl.config.objective import DIVERGENCES, TRMConfig  # noqa: F401
+from megatron_rl.objectives.divergence import SeqDivergenceStats
 
 Tensor = torch.Tensor
 

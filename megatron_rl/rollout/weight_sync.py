@@ -49,9 +49,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.rollout import WeightSyncConfig
 from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.rollout.weight_group import dtype_from_name, dtype_name
-from megatron_rl.config.rollout import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
