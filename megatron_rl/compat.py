@@ -1,7 +1,7 @@
 """CPU compatibility layer for Megatron-Core 0.16.1 on a machine without CUDA.
 
-Megatron-Core assumes a CUDA device in many places (see ``/work/shared/docs/cpu_notes.md``). Every
-workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
+Megatron-Core assumes a CUDA device in many places (each patch below names the one it works around).
+Every workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
 condition under which it can be deleted. Nothing is patched at import time: :func:`apply` does it,
 once, and only when ``torch.cuda.is_available()`` is false — on a GPU machine it does nothing.
 
@@ -67,6 +67,12 @@ def apply() -> None:
         p.fn()
         _applied.append(p.name)
     _done = True
+
+
+def vectorise_thd_rope() -> None:
+    """Install the vectorised packed-sequence RoPE on any device (CUDA included: Megatron's loop over the
+    sequences costs launches and host syncs there too; Transformer Engine's fused RoPE does not use it)."""
+    _vectorised_thd_rope()
 
 
 def is_applied() -> bool:
@@ -441,8 +447,8 @@ def _vectorised_thd_rope() -> None:
     bshd = rope_utils._apply_rotary_pos_emb_bshd
     last: List[Any] = [None, None, None]  # (cu_seqlens object, key, positions): q and k of every layer share it
 
-    def positions(cu_seqlens, n: int, size: int, rank: int, stream_freqs: bool, device) -> torch.Tensor:
-        key = (n, size, rank, stream_freqs, device)
+    def positions(cu_seqlens, n: int, size: int, rank: int, stream_freqs: bool, device, table: int) -> torch.Tensor:
+        key = (n, size, rank, stream_freqs, device, table)
         if last[0] is cu_seqlens and last[1] == key:
             return last[2]
         cu = cu_seqlens.to(device=device, dtype=torch.long)
@@ -463,8 +469,13 @@ def _vectorised_thd_rope() -> None:
                                   mscale=1.0, cp_group=None):
         if cp_group is None:
             raise ValueError("cp_group must be provided for THD format RoPE")
-        stream_freqs = freqs.size(0) == int(cu_seqlens[-1])
-        pos = positions(cu_seqlens, t.shape[0], cp_group.size(), cp_group.rank(), stream_freqs, t.device)
+        # int(cu_seqlens[-1]) is a device sync: once per micro-batch (the layers share cu_seqlens), not per call
+        if last[0] is cu_seqlens and last[1] is not None and last[1][-1] == freqs.size(0):
+            stream_freqs = last[1][3]
+        else:
+            stream_freqs = freqs.size(0) == int(cu_seqlens[-1])
+        pos = positions(cu_seqlens, t.shape[0], cp_group.size(), cp_group.rank(), stream_freqs, t.device,
+                        freqs.size(0))
         return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
                     multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 

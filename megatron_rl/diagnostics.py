@@ -1,5 +1,6 @@
 """The methods' own diagnostics: the gain decomposition of an update (math_spec §h) and the information
-a step's rewards carry (§i). Pure functions over full, unsharded driver-side tensors.
+a step's rewards carry (§i); both written out for users in docs/report_formulas.md. Pure functions over
+full, unsharded driver-side tensors.
 
 Gain decomposition (§h.2). For an update θ → θ′, sequence ratio ρ(τ) = P^θ′(τ)/P^θ(τ) and any baseline
 b that depends on the prompt only:
@@ -39,8 +40,8 @@ Tensor = torch.Tensor
 def _group_mean(values: Tensor, group_ids: Tensor, weights: Tensor) -> Tensor:
     g = torch.unique(torch.as_tensor(group_ids), return_inverse=True)[1].to(values.device)
     n = int(g.max()) + 1 if g.numel() else 0
-    num = torch.zeros(n, dtype=values.dtype).index_add_(0, g, weights * values)
-    den = torch.zeros(n, dtype=values.dtype).index_add_(0, g, weights)
+    num = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, g, weights * values)
+    den = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, g, weights)
     return (num / den.clamp(min=1e-300))[g]
 
 

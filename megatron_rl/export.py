@@ -15,10 +15,20 @@ TP=2 (vocabulary padded to a multiple of ``vocab_divisor * 2``) exports at TP=1.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import TYPE_CHECKING, Optional
+
+import torch.distributed as dist
+import yaml
+from megatron.core import dist_checkpointing
+
+from megatron_rl import config_io, parallel
+from megatron_rl.models.build import build_model
+from megatron_rl.models.config import ModelConfig
+from megatron_rl.models.weights import save_hf_checkpoint
+from megatron_rl.parallel import ParallelLayout
+from megatron_rl.training.checkpoint import iter_name, latest_checkpoint
 
 if TYPE_CHECKING:  # torch and Megatron load when an export runs, not with the command line
     from megatron_rl.models.config import ModelConfig
@@ -29,8 +39,6 @@ _EMBEDDING = "embedding.word_embeddings.weight"
 
 def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
     """An ``iter_*`` directory: ``path`` itself, or the latest (or ``step``'s) under a checkpoint root."""
-    from megatron_rl.training.checkpoint import iter_name, latest_checkpoint
-
     if step is not None:
         found = os.path.join(path, iter_name(step))
     elif os.path.isfile(os.path.join(path, "metadata.json")):
@@ -45,11 +53,6 @@ def resolve_checkpoint(path: str, step: Optional[int] = None) -> str:
 
 def _run_config_model(ckpt: str) -> Optional["ModelConfig"]:
     """The ``model`` section of the run's config.yaml (``<run>/checkpoints/iter_N`` -> ``<run>/config.yaml``)."""
-    import yaml
-
-    from megatron_rl import config_io
-    from megatron_rl.models.config import ModelConfig
-
     for up in (2, 3):
         path = os.path.join(os.path.abspath(os.path.join(ckpt, *[".."] * (up - 1))), "config.yaml")
         if os.path.isfile(path):
@@ -61,10 +64,6 @@ def _run_config_model(ckpt: str) -> Optional["ModelConfig"]:
 
 def checkpoint_model_config(ckpt: str, model_path: Optional[str] = None) -> "ModelConfig":
     """The ModelConfig a checkpoint was trained with (``model_path`` replaces its HF directory)."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl.models.config import ModelConfig
-
     saved = dist_checkpointing.load_common_state_dict(ckpt)["trainer"].get("model")
     cfg = ModelConfig(**saved) if saved else _run_config_model(ckpt)
     if cfg is None:
@@ -87,13 +86,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, model_path: Optional[str
 
     Collective over the initialised default process group (``layout`` must fit its size).
     """
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl import parallel
-    from megatron_rl.models.build import build_model
-    from megatron_rl.models.weights import save_hf_checkpoint
-    from megatron_rl.parallel import ParallelLayout
-
     layout = layout or ParallelLayout()
     ckpt = resolve_checkpoint(checkpoint, step)
     cfg = checkpoint_model_config(ckpt, model_path)
@@ -107,7 +99,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, model_path: Optional[str
     loaded = dist_checkpointing.load({"model": built.module.sharded_state_dict()}, ckpt)
     built.module.load_state_dict(loaded["model"])
     save_hf_checkpoint(built, out_dir, src_dir=cfg.hf_path)
-    import torch.distributed as dist
 
     if tokenizer is not None and dist.get_rank() == 0:
         from transformers import AutoTokenizer
@@ -116,33 +107,3 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, model_path: Optional[str
     return ckpt
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a checkpoint root (its latest checkpoint) or one iter_* directory")
-    p.add_argument("out_dir", help="the HF directory to write")
-    p.add_argument("--model", help="the HF directory the run started from (config + tokenizer); default: recorded")
-    p.add_argument("--tokenizer", help="a tokenizer to save into OUT_DIR (default: the model directory's files)")
-    p.add_argument("--step", type=int, help="export iter_<STEP> of the root instead of the latest")
-    for axis in ("tp", "pp", "ep"):
-        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} of the export (under torchrun; default 1)")
-
-
-def cli_main(args: argparse.Namespace) -> int:
-    import sys
-
-    from megatron_rl import parallel
-    from megatron_rl.parallel import ParallelLayout
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        ckpt = resolve_checkpoint(args.checkpoint, args.step)  # before any process group: a quick error
-        parallel.init_process_group()
-        try:
-            export_checkpoint(ckpt, args.out_dir, model_path=args.model, tokenizer=args.tokenizer,
-                              layout=ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep))
-        finally:
-            parallel.destroy()
-    except (FileNotFoundError, ValueError) as e:
-        print(f"megatron-rl export: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {ckpt} -> {args.out_dir}")
-    return 0

@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any, Dict, Iterator, Mapping, Optional
 
+from tqdm.auto import tqdm
+
 from megatron_rl.config import LoggingConfig
 
 
@@ -145,7 +147,5 @@ def throughput(tokens: Mapping[str, float], times: Mapping[str, float]) -> Dict[
 def progress(total: Optional[int], desc: str, enabled: bool, unit: str = "it", leave: bool = False,
              scale: bool = False):
     """``scale``: SI-prefixed counts (bytes as KiB/MiB...)."""
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=leave, mininterval=0.5,
                 dynamic_ncols=True, unit_scale=scale, unit_divisor=1024 if scale else 1000)

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+
+from megatron_rl import compat
 from megatron_rl.config.sections import ParallelLayout
 
 
@@ -73,7 +78,6 @@ def rendezvous_store(host: str, port: int, world_size: int, *, is_master: bool,
     timeout = datetime.timedelta(seconds=timeout_s)
     if not is_master:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    import socket
 
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
@@ -90,8 +94,6 @@ def rendezvous_store(host: str, port: int, world_size: int, *, is_master: bool,
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -133,11 +135,8 @@ def init_megatron_parallel(layout: ParallelLayout, seed: int = 1234) -> Parallel
     """
     if not dist.is_initialized():
         raise RuntimeError("call megatron_rl.parallel.init_process_group() first")
-    from megatron_rl import compat
 
     compat.apply()
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     layout.check(dist.get_world_size())
     if ps.model_parallel_is_initialized():

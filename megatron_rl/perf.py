@@ -20,15 +20,23 @@ Per step (:func:`step_metrics`, from the step's ``time/*`` and token metrics):
   phase's FLOPs over its own time and devices.
 
 The device peak (:func:`device_peak_flops`): the vendor's dense bf16 (fp32 models: TF32) tensor-core
-peak from a table of known GPUs; for other devices, and on CPU, a matmul rate measured once per process
-(~0.3 s, at start-up: trainer rank 0 reports it with its set-up) and cached for the process's lifetime.
-(Not on disk: a measurement taken while the machine was busy would outlive the load.)
+peak from a table of known GPUs; for other devices, and on CPU, a matmul rate: from a calibration file when
+it has this device (``python -m megatron_rl.perf --calibrate`` on an idle machine writes one:
+``$MEGATRON_RL_PEAK_FILE``, default ``~/.cache/megatron_rl/peak_flops.json``; source "calibrated"), else
+measured once per process at start-up (the median of 5 timings of 0.2 s; trainer rank 0 reports it with
+its set-up; source "measured") and cached for the process's lifetime. A start-up measurement follows the
+machine's load (0.02-0.08 TFLOP/s on one busy 2-core machine), so MFU is comparable between runs only
+with a calibration file. The run log says which source was used.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import platform
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence
@@ -101,31 +109,66 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or platform.machine()
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """Best of three timings of square matmuls (n = 1024 on CPU, 8192 on GPU) on this process's threads."""
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0, rounds: int = 5) -> float:
+    """Median of ``rounds`` timings of square matmuls (n = 1024 on CPU, 8192 on GPU) on this process's threads,
+    ``seconds`` in all (the median: a busy neighbour slows one round, it does not set the result)."""
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.mm(a, b)
     sync()
-    best = 0.0
-    for _ in range(3):
+    rates = []
+    for _ in range(rounds):
         reps, start = 0, time.perf_counter()
         while True:
             torch.mm(a, b)
             reps += 1
             sync()
             elapsed = time.perf_counter() - start
-            if elapsed >= seconds / 3:
+            if elapsed >= seconds / rounds:
                 break
-        best = max(best, 2.0 * n ** 3 * reps / elapsed)
-    return best
+        rates.append(2.0 * n ** 3 * reps / elapsed)
+    return statistics.median(rates)
+
+
+def peak_file() -> str:
+    return os.environ.get("MEGATRON_RL_PEAK_FILE") or os.path.expanduser("~/.cache/megatron_rl/peak_flops.json")
+
+
+def _calibration_key(name: str, dtype: torch.dtype) -> str:
+    return f"{name} | {str(dtype).replace('torch.', '')}"
+
+
+def calibrated_peak(name: str, dtype: torch.dtype) -> Optional[float]:
+    """The calibration file's FLOP/s for this device and dtype, or None."""
+    try:
+        with open(peak_file()) as f:
+            value = json.load(f).get(_calibration_key(name, dtype))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def calibrate(dtype: torch.dtype = torch.float32, seconds: float = 10.0) -> Dict[str, object]:
+    """Measure this CPU's peak (``seconds`` long, median of 10 rounds) and store it in :func:`peak_file`."""
+    name = f"{_cpu_name()} x{torch.get_num_threads()} threads"
+    flops = measure_matmul_flops(torch.device("cpu"), dtype, seconds=seconds, rounds=10)
+    path = peak_file()
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table[_calibration_key(name, dtype)] = flops
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=2)
+    return {"device": name, "peak_flops": flops, "file": path}
 
 
 def device_peak_flops(dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None) -> Dict[str, object]:
@@ -141,7 +184,11 @@ def device_peak_flops(dtype: torch.dtype = torch.bfloat16, device: Optional[torc
     else:
         name = f"{_cpu_name()} x{torch.get_num_threads()} threads"
         dtype = torch.float32 if dtype not in (torch.float32, torch.float64) else dtype  # CPU runs fp32 models
-    return {"device": name, "peak_flops": _measured(str(device), dtype, torch.get_num_threads()), "source": "measured"}
+        peak = calibrated_peak(name, dtype)
+        if peak is not None:
+            return {"device": name, "peak_flops": peak, "source": f"calibrated: {peak_file()}"}
+    return {"device": name, "peak_flops": _measured(str(device), dtype, torch.get_num_threads()),
+            "source": "measured at start-up, median of 5 x 0.2 s"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,3 +259,16 @@ def step_metrics(m: Mapping[str, float], flops: Optional[ModelFlops], devices: D
             figures["perf/rollout_mfu"] = per(rollout, m.get("time/rollout", 0.0) * peak_flops, devices.engine)
     out.update({k: float(v) for k, v in figures.items() if v is not None and math.isfinite(v)})
     return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Calibrate this CPU's matmul peak for MFU (run on an idle machine, "
+                                 "with the OMP_NUM_THREADS the trainer ranks use)")
+    ap.add_argument("--calibrate", action="store_true", required=True)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    a = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    r = calibrate(seconds=a.seconds)
+    print(f"{r['device']}: {r['peak_flops'] / 1e12:.3f} TFLOP/s fp32 -> {r['file']}")

@@ -2,18 +2,19 @@
 ``metrics.jsonl`` — what a user would otherwise assemble by hand in tensorboard.
 
 Panels (each drawn only when its metrics are in the run): rewards and evaluation (warm-up shaded) with
-the reward entropy in bits per episode (§i); the training–inference mismatch (k3, the largest token
+the reward entropy in bits per episode; the training–inference mismatch (k3, the largest token
 divergence, acceptance rates, IS effective sample size); bounds vs measurements (the gain
-decomposition's certified slack R_max·KL vs the measured remainder and tangent, §h; TRM's bounds on the
-surrogate error when TRM logs them); routing agreement per MoE layer; the time of each phase stacked
+decomposition's bound on its remainder, R_max times the sequence KL, vs the measured remainder and tangent;
+TRM's bounds on the surrogate error when TRM logs them); routing agreement per MoE layer; the time of each phase stacked
 per step; throughput (tokens/s, per GPU and MFU when logged); the LR with the response length the
 length-surge schedule watches (and its state when logged). Written to ``RUN_DIR/report/`` by default:
-``index.html`` and one PNG per panel. Noisy per-step series are drawn faintly with a moving average.
+``index.html`` and one PNG per panel. Noisy per-step series are drawn faintly with a moving average; a
+series equal to one already on its axes is drawn dashed on top and labelled "identical to ...". Every
+quantity is defined in docs/report_formulas.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
@@ -22,11 +23,6 @@ import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 Series = Tuple[List[float], List[float]]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run's output directory (metrics.jsonl, config.yaml)")
-    p.add_argument("--out", help="where to write index.html and the PNGs (default RUN_DIR/report)")
 
 
 class Metrics:
@@ -88,16 +84,36 @@ class _Plotter:
         steps = [line.get("step", 0) for line in m.lines]
         self.window = max(1, len(steps) // 25)
         self.warmup = [s for s, v in zip(*m.series("train/warmup")) if v > 0]
+        self._drawn: List[Tuple[int, list, list, str]] = []  # (axes, x, y, label) of the series drawn
+
+    def _same_as(self, ax, x, y, label: str, kw: dict, rel: float = 0.01) -> str:
+        """Coinciding series would hide one another: the later one is dashed (and wider) and its label says
+        which it equals ("identical to": exactly; "within 1% of": indistinguishable at the plot's scale; log
+        axes spanning decades use 5%)."""
+        for other_ax, ox, oy, other in self._drawn:
+            if other_ax == id(ax) and ox == list(x) and len(oy) == len(y):
+                exact = list(oy) == list(y)
+                if exact or all(abs(a - b) <= rel * max(abs(a), abs(b)) for a, b in zip(oy, y)):
+                    kw.setdefault("ls", "--")
+                    kw["lw"] = kw.get("lw", 1.4) + 0.6
+                    self._drawn.append((id(ax), list(x), list(y), label))
+                    return f"{label} ({'identical to' if exact else f'within {rel:.0%} of'} {other})"
+        self._drawn.append((id(ax), list(x), list(y), label))
+        return label
 
     def line(self, ax, key: str, label: Optional[str] = None, smooth: bool = False, **kw) -> bool:
         x, y = self.m.series(key)
         if not x:
             return False
+        label = self._same_as(ax, x, y, label or key, kw)
         if smooth and len(y) > 2 * self.window > 2:
+            lw = kw.pop("lw", None)
             base = ax.plot(x, y, alpha=0.25, lw=0.8, **kw)[0]
-            ax.plot(x, _smooth(y, self.window), color=base.get_color(), lw=1.6, label=label or key)
+            ax.plot(x, _smooth(y, self.window), color=base.get_color(), lw=lw or 1.6, label=label,
+                    ls=kw.get("ls", "-"))
         else:
-            ax.plot(x, y, label=label or key, lw=1.4, marker="o" if len(x) < 40 else None, ms=3, **kw)
+            kw.setdefault("lw", 1.4)
+            ax.plot(x, y, label=label, marker="o" if len(x) < 40 else None, ms=3, **kw)
         return True
 
     def shade_warmup(self, ax) -> None:
@@ -115,12 +131,15 @@ class _Plotter:
         if not pts:
             return False
         xs, ys = [s for s, _ in pts], [v for _, v in pts]
-        ax.plot(xs, _smooth(ys, self.window) if len(ys) > 2 * self.window else ys, label=label, **kw)
+        ys = _smooth(ys, self.window) if len(ys) > 2 * self.window else ys
+        label = self._same_as(ax, xs, ys, label, kw, rel=0.05)
+        ax.plot(xs, ys, label=label, **kw)
         ax.set_yscale("log")
         return True
 
-    def save(self, fig, name: str, twin=None) -> str:
-        """``twin``: (axis, its twinx): one legend for both, on the twin (drawn on top)."""
+    def save(self, fig, name: str, twin=None, legend_below: bool = False) -> str:
+        """``twin``: (axis, its twinx): one legend for both, on the twin (drawn on top); ``legend_below``: that
+        legend under the plot, off the data."""
         for ax in fig.axes:
             ax.grid(alpha=0.3)
             handles, labels = ax.get_legend_handles_labels()
@@ -130,11 +149,15 @@ class _Plotter:
                 ax.legend(fontsize=7, loc="best", ncol=2 if len(handles) > 4 else 1)
         if twin is not None:
             (h1, l1), (h2, l2) = (a.get_legend_handles_labels() for a in twin)
-            twin[1].legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
+            if legend_below:
+                twin[1].legend(h1 + h2, l1 + l2, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18),
+                               ncol=3, frameon=False)
+            else:
+                twin[1].legend(h1 + h2, l1 + l2, fontsize=7, loc="best")
         min(fig.axes, key=lambda a: a.get_position().y0).set_xlabel("step")
         fig.tight_layout()
         path = os.path.join(self.out_dir, name)
-        fig.savefig(path, dpi=90)
+        fig.savefig(path, dpi=90, bbox_inches="tight" if legend_below else None)
         self.plt.close(fig)
         return name
 
@@ -166,14 +189,14 @@ def _rewards(p: _Plotter):
     return p.save(fig, "rewards.png"), ("Mean reward of the rollouts and of the trained batch (faint: per step, "
                                         "bold: moving average), evaluation (greedy accuracy / pass@k); below, the "
                                         "information per episode: the entropy of the rewards within a prompt group "
-                                        "(at most 1 bit for a pass/fail reward, math_spec §i).")
+                                        "(at most 1 bit for a pass/fail reward). Definitions: docs/report_formulas.md.")
 
 
 def _mismatch(p: _Plotter):
     m = p.m
     keys = [("logprobs/mismatch_k3", "k3 (trainer vs engine, sampled tokens)"), ("mismatch/k3", "k3 (objective)"),
-            ("mismatch/max_k2", "max token ½λ²"), ("mismatch/max_exact_kl", "max token exact KL"),
-            ("logprobs/mismatch_max_abs", "max |Δ log p|"), ("routing/logprob_abs_diff", "routing: mean |Δ log p|")]
+            ("mismatch/max_k2", "largest token ½λ² (λ = log-ratio)"), ("mismatch/max_exact_kl", "largest token KL (exact)"),
+            ("logprobs/mismatch_max_abs", "largest |Δ log p|"), ("routing/logprob_abs_diff", "routing: mean |Δ log p|")]
     acc = [("correction/seq_acceptance", "sequence acceptance"), ("trm/acceptance_rate", "TRM acceptance"),
            ("correction/token_keep_frac", "token keep fraction"), ("is/ess", "IS effective sample size"),
            ("routing_mask/seq_acceptance", "routing-mask acceptance")]
@@ -188,9 +211,12 @@ def _mismatch(p: _Plotter):
         p.line(ax2, k, label, smooth=True)
     ax2.set_ylabel("fraction")
     ax2.set_ylim(-0.02, 1.05)
-    return p.save(fig, "mismatch.png"), ("Log-prob mismatch between the trainer and the rollout engine on the "
-                                          "sampled tokens (mean k3 and the largest token divergence), and what "
-                                          "the corrections keep (acceptance, IS effective sample size).")
+    return p.save(fig, "mismatch.png"), ("How far the trainer's log-probs of the sampled tokens are from those the "
+                                          "rollout engine recorded: the mean KL estimate k3 and the largest single-"
+                                          "token difference (log scale); below, the fraction of sequences / tokens "
+                                          "the corrections keep and the importance weights' effective sample "
+                                          "size. Coinciding series are dashed and marked identical. Definitions: "
+                                          "docs/report_formulas.md.")
 
 
 def _bounds(p: _Plotter):
@@ -203,7 +229,7 @@ def _bounds(p: _Plotter):
     ax = axes[0]
     for k in trm:
         p.log_line(ax, k, k.replace("trm/bound_", "TRM bound: "), lw=1.2, ls="--")
-    for k, label, style in (("gain/slack", "gain: certified slack R_max·KL (bound)", "--"),
+    for k, label, style in (("gain/slack", "gain: bound on the remainder (R_max × sequence KL)", "--"),
                             ("gain/remainder", "gain: |remainder| (measured)", "-"),
                             ("gain/tangent", "gain: |tangent| (first order)", ":")):
         p.log_line(ax, k, label, ls=style, lw=1.4)
@@ -213,11 +239,13 @@ def _bounds(p: _Plotter):
         p.line(axes[1], "gain/signal_to_slack", "signal-to-slack: tangent / slack", smooth=True)
         axes[1].axhline(1.0, color="k", lw=0.8, ls=":")
         axes[1].set_ylabel("ratio")
-    return p.save(fig, "bounds.png"), ("The update's gain J(θ′) − J(θ) = tangent + remainder (math_spec §h), "
-                                        "measured on each step's batch: the remainder stays under its certified "
-                                        "bound R_max·KL(P_θ‖P_θ′); above 1 the first-order gain exceeds what the "
-                                        "step could lose to curvature. TRM's bounds on the surrogate error when "
-                                        "TRM logs them.")
+    return p.save(fig, "bounds.png"), ("How much each update changed the expected reward, split into a first-order "
+                                        "part (tangent) and the rest (remainder), measured on each step's batch; "
+                                        "the remainder can never exceed R_max times the KL divergence between the "
+                                        "policies before and after the update (dashed). Below: tangent / that "
+                                        "bound; above 1 the first-order gain is larger than anything the step could "
+                                        "lose. TRM's bounds on the surrogate error when TRM logs them. Formulas: "
+                                        "docs/report_formulas.md.")
 
 
 def _smoothed_lines(p: _Plotter, keys: List[str], prefix: str, ylabel: str, title: str):
@@ -263,19 +291,34 @@ def _time(p: _Plotter):
     return p.save(fig, "time.png"), "Wall time of each driver phase per step, stacked; the black line is the whole step."
 
 
+_THROUGHPUT = (("perf/rollout_tokens_per_s", "generation (generated tokens/s)"),
+               ("perf/train_tokens_per_s", "training (trained tokens/s)"),
+               ("perf/logprob_tokens_per_s", "log-prob pass (tokens/s)"),
+               ("perf/step_tokens_per_s", "whole step (trained tokens/s)"))
+
+
 def _throughput(p: _Plotter):
     m = p.m
-    keys = m.matching(r"perf/.*tokens_per_s.*")
+    keys = [(k, label) for k, label in _THROUGHPUT if m.has(k)]
     if not keys:
         return None
-    fig, ax = _smoothed_lines(p, keys, "perf/", "tokens / s", "throughput")
+    fig, (ax,) = p.figure(1, 3.8)
+    for k, label in keys:
+        p.line(ax, k, label, smooth=True)
+    ax.set_yscale("log")  # generation runs 10-100x slower than training: one linear axis hides it
+    ax.set_ylabel("tokens / s (log)")
+    ax.set_title("throughput")
     twin = None
     if m.has("perf/mfu"):
         twin = (ax, ax.twinx())
         x, y = m.series("perf/mfu")
-        twin[1].plot(x, _smooth(y, p.window), color="k", ls="--", lw=1.2, label="MFU")
-        twin[1].set_ylabel("MFU")
-    return p.save(fig, "throughput.png", twin), "Tokens per second of each phase (per GPU and MFU when logged)."
+        twin[1].plot(x, _smooth(y, p.window), color="k", ls="--", lw=1.2, label="MFU (right axis)")
+        twin[1].set_ylabel("MFU (fraction of peak)")
+    name = p.save(fig, "throughput.png", twin, legend_below=True)
+    return name, ("Tokens per second of each phase, whole-run (per device: divide by the trainer or engine count). "
+                  "MFU: model FLOPs / (step time x devices x the device's peak), a fraction, not a percentage; on "
+                  "CPU the peak is measured at start-up unless calibrated (the run log says which). Definitions: "
+                  "docs/report_formulas.md.")
 
 
 def _lr(p: _Plotter):
@@ -339,7 +382,10 @@ def render(run_dir: str, out_dir: Optional[str] = None) -> str:
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}
 td:first-child{{text-align:left}}figcaption{{color:#555;font-size:90%;margin-bottom:1.5em}}</style></head><body>
 <h1>Run report</h1><p><code>{html.escape(os.path.abspath(run_dir))}</code>: {len(m.lines)} logged steps (last {last:g}).</p>
-<table><tr><th>metric</th><th>first</th><th>last</th><th>mean of last 10</th><th>max</th></tr>{_summary_rows(m)}</table>
+<table><tr><th>metric</th><th>first</th><th>last</th><th>mean of last 10 logged</th><th>max</th></tr>{_summary_rows(m)}</table>
+<p><small>Mean of last 10 logged: of the last 10 values in metrics.jsonl; eval/* is logged every eval.interval
+steps, so for it these are the last 10 evaluations, not the last 10 steps. Definitions of every quantity:
+docs/report_formulas.md in the megatron_rl repository.</small></p>
 {body}
 {config}
 </body></html>
@@ -350,13 +396,3 @@ td:first-child{{text-align:left}}figcaption{{color:#555;font-size:90%;margin-bot
     return path
 
 
-def cli_main(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        path = render(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"megatron-rl report: {e}", file=sys.stderr)
-        return 2
-    print(f"report: {path}")
-    return 0

@@ -2,6 +2,7 @@
 # Install and start a single-machine SLURM (munge + slurmctld + slurmd) for tests and CI.
 #
 #   bash scripts/setup_slurm.sh            # Debian 12; as root; safe to re-run
+#   bash scripts/setup_slurm.sh --stop     # stop the daemons this script started (exit 0 when none run)
 #
 # This host becomes the controller and NODES compute nodes (default 2), partition "debug". With
 # NODES>1 the nodes are fake: one slurmd per node name on this host (`slurmd -N nodeK`, own port),
@@ -12,7 +13,9 @@
 #
 # Env: NODES (default 2; 1 = one node named like this host), SLURM_CONF (default
 # /etc/slurm/slurm.conf), FORCE=1 to overwrite a slurm.conf this script did not write,
-# WAIT_S (default 60) for the nodes to become idle.
+# WAIT_S (default 60) for the nodes to become idle, STARTED (default /run/megatron_rl_slurm.started): where
+# the pid files of the daemons it starts are listed, for --stop (scripts/test.sh passes its own).
+# It installs slurm-wlm and munge system-wide (apt-get) when missing; --stop leaves the packages.
 set -euo pipefail
 
 CONF=${SLURM_CONF:-/etc/slurm/slurm.conf}
@@ -21,8 +24,27 @@ WAIT_S=${WAIT_S:-60}
 MARK="# written by megatron_rl scripts/setup_slurm.sh"
 LOG_DIR=/var/log/slurm
 SPOOL=/var/spool/slurm
+STARTED=${STARTED:-/run/megatron_rl_slurm.started}
 log() { echo "[setup_slurm] $*"; }
 die() { echo "[setup_slurm] ERROR: $*" >&2; exit 1; }
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }  # alive PIDFILE
+stop_daemon() {  # stop_daemon PIDFILE - by the pid it recorded, never by name
+  local pid
+  alive "$1" || return 0
+  pid=$(cat "$1")
+  log "stopping pid $pid ($1)"
+  kill -TERM "$pid"
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  die "pid $pid ($1) did not stop within 10 s"
+}
+
+if [ "${1:-}" = --stop ]; then  # slurmds first, then the controller, then munged: the reverse of the start
+  if [ ! -s "$STARTED" ]; then log "nothing to stop ($STARTED lists no daemon this script started)"; exit 0; fi
+  tac "$STARTED" | while read -r pidfile; do stop_daemon "$pidfile"; done
+  rm -f "$STARTED"
+  log "stopped what it had started"
+  exit 0
+fi
 
 [ "$(id -u)" = 0 ] || die "run as root (installs packages and starts daemons)"
 [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "NODES=$NODES: expected a positive integer"
@@ -36,8 +58,6 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   # The packages' postinst cannot start services without systemd; we start them below.
   apt-get install -y -q --no-install-recommends slurm-wlm munge iproute2 procps
 fi
-
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }  # alive PIDFILE
 
 # --- 2. munge: key + daemon (slurm authenticates every RPC through it)
 if [ ! -s /etc/munge/munge.key ]; then
@@ -53,6 +73,7 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   install -d -o munge -g munge -m 0755 /run/munge
   install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
   runuser -u munge -- /usr/sbin/munged
+  echo /run/munge/munged.pid >> "$STARTED"  # Debian's munged writes its pid there
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   munge -n | unmunge >/dev/null || die "munged does not answer (see /var/log/munge/munged.log)"
 fi
@@ -114,21 +135,13 @@ fi
 install -d -m 0755 "$LOG_DIR" "$SPOOL/ctld"
 
 # --- 4. daemons: restart all on a config change, start those not running
-stop_daemon() {  # stop_daemon PIDFILE - by the pid it recorded, never by name
-  local pid
-  alive "$1" || return 0
-  pid=$(cat "$1")
-  log "stopping pid $pid ($1)"
-  kill -TERM "$pid"
-  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-  die "pid $pid ($1) did not stop within 10 s"
-}
 start_daemon() {  # start_daemon PIDFILE LOGFILE COMMAND...
   local pidfile=$1 logfile=$2
   shift 2
   alive "$pidfile" && return 0
   log "starting $*"
   SLURM_CONF=$CONF "$@"  # daemonizes itself
+  echo "$pidfile" >> "$STARTED"
   for _ in $(seq 100); do alive "$pidfile" && return 0; sleep 0.1; done
   tail -n 20 "$logfile" >&2 || true
   die "'$*' did not start (log: $logfile)"

@@ -85,7 +85,7 @@ def run(args, out_dir: Path, overrides) -> list:
     return read_metrics(str(out_dir))
 
 
-ROLES = {"megatron_rl.rollout.server": 0, "ray::TrainerWorker": 1}  # cmdline marker -> core
+ROLES = {"megatron_rl.rollout.embedded.server": 0, "ray::TrainerWorker": 1}  # cmdline marker -> core
 
 
 def pin_roles(proc: subprocess.Popen) -> None:
@@ -120,7 +120,7 @@ def throughput(args, assets) -> dict:
     if 8 + args.max_new_tokens > 256:
         raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: at most 248 (8 prompt tokens, 256 positions)")
     student = assets["student"] if 8 + args.max_new_tokens <= 64 else long_context_student(assets["student"], 256)
-    common = [f"prepare.kind=none", f"model.hf_path={student}", f"data.path={assets['train.jsonl']}",
+    common = ["prepare.kind=none", f"model.hf_path={student}", f"data.path={assets['train.jsonl']}",
               "data.max_prompt_tokens=8", "warmup.steps=0", "warmup.teacher=null", "eval.interval=0", "eval.data=null",
               f"steps={args.steps}", "parallel.world_size=1", "parallel.tp=1", "rollout.dynamic_sampling=false",
               f"rollout.prompts_per_step={args.prompts}", "rollout.n_samples_per_prompt=8",
@@ -164,7 +164,7 @@ def measure(args, name, common, rep) -> dict:
 
 
 def curves(args, assets) -> dict:
-    common = [f"prepare.kind=none", f"model.hf_path={assets['student']}", f"data.path={assets['train.jsonl']}",
+    common = ["prepare.kind=none", f"model.hf_path={assets['student']}", f"data.path={assets['train.jsonl']}",
               f"warmup.teacher={assets['teacher']}", f"eval.data.path={assets['eval.jsonl']}",
               f"steps={args.curve_steps}", f"warmup.steps={args.curve_steps // 4}",
               f"optim.schedule.total_steps={args.curve_steps}", "eval.interval=10", "checkpoint.interval=0"]

@@ -5,7 +5,7 @@ restart takes (engine recovery, ``megatron_rl/orchestration/engine_health.py``).
 Two ways to host one embedded engine in a Ray actor (CPU, one thread each, a random Qwen3 checkpoint):
 
   in-actor   the former EngineWorker: EmbeddedEngine + EmbeddedServer threads inside the actor's process
-  child      today's EngineWorker: ``python -m megatron_rl.rollout.server`` as a ManagedServer child
+  child      today's EngineWorker: ``python -m megatron_rl.rollout.embedded.server`` as a ManagedServer child
 
 Columns: "start s" = actor created -> URL answered (interpreter, imports, model load); "PSS MiB" = the
 proportional set size (shared pages split between the processes that map them) of the actor and of its
@@ -46,8 +46,8 @@ class InActorEngine:
         self.server = None
 
     def start(self) -> str:
-        from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-        from megatron_rl.rollout.server import EmbeddedServer
+        from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+        from megatron_rl.rollout.embedded.server import EmbeddedServer
 
         engine = EmbeddedEngine.from_pretrained(self.model_path, EmbeddedEngineConfig(max_batch_rows=256,
                                                                                       seeds="deterministic"))
@@ -72,9 +72,9 @@ def _pss_mib(pid: int) -> tuple:
 
 def _rollout(url: str, requests: int):
     """A function timing one rollout of ``requests`` seeded requests (n=8, 16 tokens) against ``url``."""
-    from megatron_rl.rollout.balancer import RemoteEngine
-    from megatron_rl.rollout.http_client import SGLangClient
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.client.balancer import RemoteEngine
+    from megatron_rl.rollout.client.http_client import SGLangClient
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
     reqs = [GenerateRequest((10 + i % 50, 20, 30, 40), SamplingParams(max_new_tokens=16, n=8, seed=i, ignore_eos=True))
             for i in range(requests)]

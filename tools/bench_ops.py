@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
-from megatron_rl.testing import DistributedTestError, run_distributed  # noqa: E402
+from multiproc import DistributedTestError, run_distributed  # noqa: E402
 
 
 class _PeerEntropy(torch.autograd.Function):

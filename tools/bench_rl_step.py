@@ -202,7 +202,7 @@ class _Recorder:
         import threading
 
         from megatron_rl.orchestration import placement
-        from megatron_rl.rollout import http_client
+        from megatron_rl.rollout.client import http_client
 
         rec, lock = self, threading.Lock()
         orig_init, orig_gen, orig_place = (http_client.SGLangClient.__init__, http_client.SGLangClient.generate_one,

@@ -53,8 +53,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint  # noqa: E402
+from multiproc import run_distributed, tiny_hf_checkpoint  # noqa: E402
 
 BATCH, PROMPT, RESPONSE, MICRO = 16, 64, 192, 4
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -221,7 +222,7 @@ def _interleaved(path: str, layout: dict, steps: int, cases: list, batch_kind: s
                 rec["train"].append(elapsed)
                 rec["fwd"].append(time.perf_counter() - t)
             rec["metrics"] = result.metrics
-    attention.PACKED_IMPL = "per_sequence"
+    attention.PACKED_IMPL = "auto"
     peaks = torch.tensor([rec["peak"] for rec in out], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     info = {"real_tokens": int(batch.seq_lengths.sum()), "longest": int(batch.seq_lengths.max()),
@@ -239,14 +240,14 @@ def _interleaved(path: str, layout: dict, steps: int, cases: list, batch_kind: s
 
 
 PACKING_CASES = [  # name, train config, packed attention implementation
-    ("padded", dict(packing=False, micro_batch_size=4, group_by_length=False), "per_sequence"),
-    ("padded, sorted", dict(packing=False, micro_batch_size=4), "per_sequence"),
-    ("packed", dict(micro_batch_size=4), "per_sequence"),
-    ("packed+budget", dict(max_tokens_per_micro_batch=2048, forward_max_tokens_per_micro_batch=4096), "per_sequence"),
+    ("padded", dict(packing=False, micro_batch_size=4, group_by_length=False), "auto"),
+    ("padded, sorted", dict(packing=False, micro_batch_size=4), "auto"),
+    ("packed", dict(micro_batch_size=4), "auto"),
+    ("packed+budget", dict(max_tokens_per_micro_batch=2048, forward_max_tokens_per_micro_batch=4096), "auto"),
 ]
 BLOCK_DIAGONAL = ("packed+budget, block-diagonal attention", PACKING_CASES[-1][1], "block_diagonal")
 BUDGET_512 = ("longest 1000 > budget 512",
-              dict(max_tokens_per_micro_batch=512, forward_max_tokens_per_micro_batch=512), "per_sequence")
+              dict(max_tokens_per_micro_batch=512, forward_max_tokens_per_micro_batch=512), "auto")
 
 
 def _suite(path: str, steps: int, runs: list) -> list:
@@ -272,9 +273,9 @@ def _packing_suite(path: str, vocab: int, steps: int) -> list:
 
 
 TINY_CASES = [  # the tiny recipe at TP=2: micro_batch_size 64 of its 512 sequences per step
-    ("padded, sorted", dict(packing=False, micro_batch_size=64), "per_sequence"),
-    ("packed", dict(micro_batch_size=64), "per_sequence"),
-    ("packed+budget", dict(max_tokens_per_micro_batch=1024, forward_max_tokens_per_micro_batch=4096), "per_sequence"),
+    ("padded, sorted", dict(packing=False, micro_batch_size=64), "auto"),
+    ("packed", dict(micro_batch_size=64), "auto"),
+    ("packed+budget", dict(max_tokens_per_micro_batch=1024, forward_max_tokens_per_micro_batch=4096), "auto"),
 ]
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: weight sync Megatron -> rollout engine (megatron_rl.rollout.weight_sync), CPU / gloo.
+"""Benchmark: weight sync Megatron -> rollout engine (megatron_rl.weights.sync), CPU / gloo.
 
 Model: a random Qwen3 (4 layers, hidden 512, 8 heads / 4 KV heads of 64, MLP 1536, vocabulary 32000,
 untied lm_head; ~45M parameters, 181 MB in fp32). For TP = 1 and TP = 2 (one gloo process per rank)
@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # multiproc: the multi-process launcher
 
-from megatron_rl.testing import run_distributed  # noqa: E402
+from multiproc import run_distributed  # noqa: E402
 
 TARGETS = ("embedded", "embedded-bf16", "http", "http+gloo", "ipc")
 
@@ -81,17 +82,17 @@ def _engine(target: str, path: str, sender: bool, cleanup: list, tp: int, tmp: s
     """(the sender's engine, every rank's transport: None but for ``ipc``)."""
     import torch.distributed as dist
 
-    from megatron_rl.rollout.balancer import RemoteEngine
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.rollout.http_client import SGLangClient
-    from megatron_rl.rollout.ipc_transport import IpcTransport
-    from megatron_rl.rollout.server import EmbeddedServer
+    from megatron_rl.rollout.client.balancer import RemoteEngine
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+    from megatron_rl.rollout.client.http_client import SGLangClient
+    from megatron_rl.rollout.client.ipc_transport import IpcTransport
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
 
     remote, url = None, [None]
     if sender:
         dtype = torch.bfloat16 if target == "embedded-bf16" else torch.float32
         if target == "http+gloo":
-            from megatron_rl.rollout.process import launch_embedded_server
+            from megatron_rl.rollout.client.process import launch_embedded_server
 
             server = launch_embedded_server(path, os.path.join(tmp, "server.log"))
         else:
@@ -132,7 +133,7 @@ def child(path: str, tp: int, bucket_mb: float, repeats: int, targets, per_rank:
     from megatron_rl import parallel
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig
 
     sender = dist.get_rank() == 0
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(tp=tp))

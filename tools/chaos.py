@@ -525,7 +525,7 @@ def fault_chain(work: str, a: Dict[str, str], steps: int = 6, log: Callable[[str
     # not replaced, engine_health.py). Engine recovery restarts it with the trainer's weights; the seeded requests
     # it had are re-sent, so the run goes on to the end with the uninterrupted run's samples.
     run.wait_for(r"step 4/")
-    os.kill(_victim(run, "megatron_rl.rollout.server"), signal.SIGKILL)
+    os.kill(_victim(run, "megatron_rl.rollout.embedded.server"), signal.SIGKILL)
     code = run.wait()
     res.faults.append(FaultResult("damaged newest checkpoint", None, fell_back, "fell back to iter_0000003"))
     record("kill -9 rollout engine (recovered)", run, code, (0,), r"engine 0 back in rotation after .*")

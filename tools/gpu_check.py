@@ -15,8 +15,11 @@ every section, so a run cut short keeps what it measured):
                values and gradients (logits; hidden states and weight for the fused ops)
   megatron_hf  a Megatron GPTModel (local spec, TP=1) forward/backward against HF transformers on the
                same weights: logits and every parameter's gradient
-  engine       the embedded rollout engine on the device: generate, then recompute the sampled tokens'
-               log-probs with one teacher-forced forward; agreement and generation tokens/s
+  trainer, checkpoint, sync, rl_loop: the framework's own GPU paths (tools/gpu_check_paths.py; on --cpu under
+               the placement guard of tests/device_guard.py)
+  engine       the embedded rollout engine on the device: generate (twice: the same seeds give the same
+               tokens), then recompute the sampled tokens' log-probs with one teacher-forced forward;
+               agreement and generation tokens/s
 
   bash tools/gpu_check.sh                       # on the GPU machine (wheels: see gpu_check.sh)
   bash tools/gpu_check.sh --cpu                 # small sizes on CPU (CI runs this: tests/unit/test_gpu_check.py)
@@ -44,8 +47,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # ops_reference: the float64 references
 
 import torch  # noqa: E402
 
+import gpu_check_paths  # noqa: E402  (trainer, checkpoint, sync, rl_loop: the framework's own GPU paths)
+
 H200_BF16_TFLOPS, H200_TBPS = 790.0, 4.3  # measured ceilings on this workplace's H200 (device KINDS.md)
-SECTIONS = ("env", "head", "ops", "megatron_hf", "engine")
+SECTIONS = ("env", "head", "ops", "megatron_hf", "trainer", "checkpoint", "sync", "engine", "rl_loop")
 
 
 class Ctx:
@@ -283,7 +288,7 @@ def section_megatron_hf(ctx: Ctx) -> dict:
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
     from megatron_rl.models.weights import export_hf_state_dict
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from multiproc import tiny_hf_checkpoint
 
     ctx.init_megatron()
     from transformers import AutoModelForCausalLM
@@ -330,9 +335,9 @@ def section_megatron_hf(ctx: Ctx) -> dict:
 
 
 def section_engine(ctx: Ctx) -> dict:
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+    from multiproc import tiny_hf_checkpoint
 
     size = {} if ctx.cpu else dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
                                    num_key_value_heads=4, head_dim=64, intermediate_size=2816, vocab_size=32000)
@@ -350,6 +355,7 @@ def section_engine(ctx: Ctx) -> dict:
         samples = engine.generate(reqs)
         ctx.sync()
         seconds = time.perf_counter() - t0
+        same_seed = [s.response_ids for s in engine.generate(reqs)] == [s.response_ids for s in samples]
         diff = 0.0
         for s in samples:
             lp = engine.prompt_logprobs(list(s.prompt_ids) + list(s.response_ids))[0]
@@ -357,14 +363,14 @@ def section_engine(ctx: Ctx) -> dict:
         generated = sum(len(s.response_ids) for s in samples)
         out[str(dtype)[6:]] = {"samples": len(samples), "tokens_per_s": generated / seconds,
                                "max_abs_logprob_diff_generate_vs_recompute": diff, "tolerance": tol,
-                               "ok": tol is None or diff <= tol}
+                               "same_seed_same_tokens": same_seed, "ok": same_seed and (tol is None or diff <= tol)}
         del engine
     out["ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
     return out
 
 
 FUNCS = {"env": section_env, "head": section_head, "ops": section_ops, "megatron_hf": section_megatron_hf,
-         "engine": section_engine}
+         "engine": section_engine, **gpu_check_paths.FUNCS}
 
 
 # ---- driver ---------------------------------------------------------------------------------------------

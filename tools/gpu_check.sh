@@ -31,4 +31,18 @@ if ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
-exec timeout "${GPU_CHECK_TIMEOUT_S:-480}" "$PY" tools/gpu_check.py "$@"
+timeout "${GPU_CHECK_TIMEOUT_S:-480}" "$PY" tools/gpu_check.py "$@"
+rc=$?
+
+# ---- section: throughput (issue 23) -------------------------------------------------------------------------
+# Trainer tokens/s, MFU, peak memory of 0.6B/1.7B/4B Qwen3-shaped random models (tools/gpu_throughput.py).
+# Guarded: its failure is reported and changes the exit status, the sections above are kept. On GPU it runs
+# unless GPU_CHECK_THROUGHPUT=0; with --cpu only when GPU_CHECK_THROUGHPUT=1 (a tiny shape: the script runs).
+want=${GPU_CHECK_THROUGHPUT:-}
+[ "${1:-}" = "--cpu" ] && want=${want:-0} && targs=(--cpu) || { want=${want:-1}; targs=(); }
+if [ "$want" = "1" ]; then
+  echo "### throughput"
+  timeout "${GPU_THROUGHPUT_TIMEOUT_S:-420}" "$PY" tools/gpu_throughput.py "${targs[@]}" --timeout-s 200 \
+    || { echo "### throughput: FAILED (exit $?)"; rc=1; }
+fi
+exit $rc

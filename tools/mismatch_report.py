@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The training–inference mismatch law on a real model: fp32 trainer vs bf16 rollout engine.
 
-The DVP paper (arXiv 2512.23087, math_spec §b.1) proves that a logit perturbation ‖z_inf − z_train‖_∞ <= ε
+The DVP paper (arXiv 2512.23087; docs/report_formulas.md, "The mismatch law") proves that a logit perturbation ‖z_inf − z_train‖_∞ <= ε
 moves a token's log-prob by at most (1 − p)(e^{2ε} − 1) ≈ 2ε(1 − p), p = π_train(token): tiny for likely
 tokens, largest in the tail. This tool samples responses from the embedded engine in bf16 (the rollout
 side: the log-probs it records while generating), scores the same tokens with the same weights in fp32
@@ -12,9 +12,16 @@ and reports:
   range of z_bf16 − z_fp32 — the smallest ε the bound can use, logits being shift-invariant — the envelope
   drawn with the median and the largest ε); the fraction of tokens above their own envelope (the bound
   is a theorem: 0 up to the engine's generation path differing from a bf16 re-forward);
+* how far the log-probs recorded while generating are from that bf16 re-forward. Both are bf16 with the same
+  weights but not the same computation: the engine decodes one token per step against its KV cache, rows
+  batched as its continuous batching admits them (up to 256, left-padded), while the re-forward runs each
+  prompt + response alone in one pass. Which rounding each takes depends on the CPU's kernels: measured
+  3e-7 with ATen's AVX-512 kernels, 4e-3 to 1e-2 with its AVX2 ones (``ATEN_CPU_CAPABILITY=avx2``), also
+  with one row at a time -- the KV-cache decode, not the batch, makes the difference. The JSON records both
+  compositions and ``cpu_capability``;
 * the share of the total mismatch (Σ|Δ log p| and Σk3 over sampled tokens) from tail tokens (p < 1e-3)
   vs the rest, and a table by decade of p (of 1 − p near 1);
-* TRM's bounds (math_spec §a.2: Pinsker-marginal, mixed, adaptive, unified, classical) for response
+* TRM's bounds (docs/report_formulas.md: Pinsker-marginal, mixed, adaptive, unified, classical) for response
   lengths T = 4 ... 4096, from the measured exact D_tok,max = max over positions of KL(μ‖π) (rollout
   first), ε = max token TV, D^seq_KL = T · mean token KL and D̄_t = mean token TV.
 
@@ -28,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,14 +47,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TAIL = 1e-3
 EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 LENGTHS = (4, 16, 64, 256, 1024, 4096)
+MAX_BATCH_ROWS = 256
+RECORDED = f"bf16 engine decode: KV cache, one token per step, up to {MAX_BATCH_ROWS} left-padded rows per step"
+REFORWARD = "bf16 teacher-forced forward: one sequence (prompt + response) per pass, no cache"
 
 
 def sample(model: str, prompts: List[List[int]], n: int, max_new_tokens: int, seed: int):
     """bf16 engine samples: (prompt ids, response ids, recorded log-probs) per sequence."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
-    engine = EmbeddedEngine.from_pretrained(model, EmbeddedEngineConfig(seed=seed, max_batch_rows=256),
+    engine = EmbeddedEngine.from_pretrained(model, EmbeddedEngineConfig(seed=seed, max_batch_rows=MAX_BATCH_ROWS),
                                             dtype=torch.bfloat16)
     reqs = [GenerateRequest(tuple(p), SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n,
                                                      seed=seed + i)) for i, p in enumerate(prompts)]
@@ -130,6 +139,8 @@ def summarise(m: Dict[str, torch.Tensor]) -> Dict:
         "above_envelope_frac_recorded": float((d > envelope * (1 + 1e-6) + 1e-12).double().mean()),
         "above_envelope_frac_reforward": float((m["d_fwd"] > envelope * (1 + 1e-6) + 1e-12).double().mean()),
         "max_abs_recorded_minus_reforward": float((m["d_rec"] - m["d_fwd"]).abs().max()),
+        "recorded_composition": RECORDED, "reforward_composition": REFORWARD,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "corr_abs_dlogp_vs_1mp": float(torch.corrcoef(torch.stack([d, 1 - p]))[0, 1]),
         "d_tok_max_kl": delta, "d_tok_max_tv": eps_tv, "mean_token_kl": mean_kl, "mean_token_tv": mean_tv,
         "by_decade": decades, "trm_bounds": bounds,
@@ -212,7 +223,8 @@ def main(argv=None) -> Dict:
     print(f"per-position ε (half-range of z_bf16 − z_fp32): median {s['eps_median']:.3g}, max {s['eps_max']:.3g}; "
           f"tokens above their (1−p)(e^{{2ε}}−1) envelope: {100 * s['above_envelope_frac_reforward']:.3f}% (bf16 "
           f"re-forward), {100 * s['above_envelope_frac_recorded']:.3f}% (recorded while generating; max |recorded − "
-          f"re-forward| {s['max_abs_recorded_minus_reforward']:.2g}); corr(|Δ|, 1−p) {s['corr_abs_dlogp_vs_1mp']:.2f}\n")
+          f"re-forward| {s['max_abs_recorded_minus_reforward']:.2g}, {s['cpu_capability']} kernels: KV-cache decode vs one-pass "
+          f"forward); corr(|Δ|, 1−p) {s['corr_abs_dlogp_vs_1mp']:.2f}\n")
     print("| p | tokens | mean abs dlogp | max abs dlogp | share of sum abs dlogp | mean envelope |")
     print("|---|---|---|---|---|---|")
     for r in s["by_decade"]:

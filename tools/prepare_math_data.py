@@ -67,16 +67,36 @@ def main(argv=None) -> int:
     p.add_argument("--source", help="a local copy instead of the hub (save_to_disk directory, jsonl or parquet)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    where = args.source or f"the Hugging Face hub ({SOURCES[args.kind][0]})"
+    try:
+        rows = _rows(args.kind, args.source, args.split)
+    except Exception as e:  # noqa: BLE001 - offline, a wrong path or split: one line, nothing written
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"prepare_math_data: cannot read {args.kind} split {args.split!r} from {where}: {type(e).__name__}: "
+              f"{first}. Offline? Pass --source a local copy (save_to_disk directory, jsonl or parquet); "
+              f"nothing was written to {args.out}", file=sys.stderr)
+        return 2
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     kept = skipped = 0
-    with open(args.out, "w", encoding="utf-8") as f:
-        for row in _rows(args.kind, args.source, args.split):
-            item = convert(args.kind, row)
-            if item is None:
-                skipped += 1
-                continue
-            f.write(json.dumps(item) + "\n")
-            kept += 1
+    part = args.out + ".part"  # renamed when complete: a failure never leaves a short or empty --out
+    try:
+        with open(part, "w", encoding="utf-8") as f:
+            for row in rows:
+                item = convert(args.kind, row)
+                if item is None:
+                    skipped += 1
+                    continue
+                f.write(json.dumps(item) + "\n")
+                kept += 1
+    except BaseException:
+        os.remove(part)
+        raise
+    if kept == 0:
+        os.remove(part)
+        print(f"prepare_math_data: no row of {where} split {args.split!r} has an extractable answer "
+              f"({skipped} skipped); nothing was written to {args.out}", file=sys.stderr)
+        return 2
+    os.replace(part, args.out)
     print(f"wrote {kept} rows to {args.out} ({skipped} without an extractable answer skipped)")
     return 0
 

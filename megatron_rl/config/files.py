@@ -35,9 +35,9 @@ def check_files(cfg: RunConfig, out: List[str]) -> None:
 def _data(cfg: RunConfig, out: List[str]) -> None:
     from megatron_rl.data.loading import check_prompt_file
 
-    for section, data in (("data", cfg.data), ("eval.data", cfg.eval.data)):
-        if data is None:
-            continue
+    evals = {"eval.data": cfg.eval.data} if cfg.eval.data is not None else {
+        f"eval.datasets.{name}": d for name, d in cfg.eval.named_datasets.items()}
+    for section, data in (("data", cfg.data), *evals.items()):
         try:
             check_prompt_file(data, section)
         except ValueError as e:

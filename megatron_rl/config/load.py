@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence
 
@@ -12,6 +13,7 @@ from megatron_rl.config.checks import check_run_config
 from megatron_rl.config.rollout import ALIASES as ROLLOUT_ALIASES
 from megatron_rl.config.rollout import normalize_keys as normalize_rollout_keys
 from megatron_rl.config.run import PrepareConfig, RunConfig
+from megatron_rl.data.config import deferred_path_checks
 
 
 def _strip_root(message: str) -> str:
@@ -87,7 +89,9 @@ def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, pre
                 prepare_tiny_arithmetic(prep.dir, seed=prep.seed, model=prep.model)
             except ValueError as e:  # e.g. the directory holds the other model kind's assets
                 raise config_io.ConfigError(str(e)) from None
-    cfg = build_run_config(mapping)
+    # checked: a missing data file is listed with every other problem (check_run_config), not alone
+    with deferred_path_checks() if check else contextlib.nullcontext():
+        cfg = build_run_config(mapping)
     if check:
         check_run_config(cfg)
     return cfg

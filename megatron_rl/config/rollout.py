@@ -56,7 +56,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/sglang.py``."""
+    """How each SGLang server is launched (``rollout.engine: sglang``); see ``rollout/client/sglang.py``."""
 
     tp_size: int = 1  # GPUs per server
     mem_fraction_static: float = 0.8
@@ -182,7 +182,7 @@ class ClientConfig:
 
     logprob_mode: ``raw`` (SGLang's ``output_token_logprobs``, full-vocabulary) or ``processed`` (renormalised
                   over the top-k/top-p set, SGLang's ``output_token_sampling_logprobs``: pair it with DVP in the
-                  objective, and a top-k <= 4096), see rollout/protocol.py.
+                  objective, and a top-k <= 4096), see rollout/client/protocol.py.
     """
 
     balancer: Literal["round_robin", "least_outstanding"] = "least_outstanding"

@@ -22,12 +22,11 @@ from typing import Any, Dict, Literal, Mapping, Optional
 from megatron_rl import config_io
 from megatron_rl.config.objective import DenseKLConfig, ObjectiveConfig
 from megatron_rl.config.rollout import RolloutConfig
-from megatron_rl.config.sections import AdvantageConfig, DiagnosticsConfig, ModelConfig, ParallelLayout
+from megatron_rl.config.sections import AdvantageConfig, DiagnosticsConfig, ModelConfig, ParallelLayout, ProfileConfig
 from megatron_rl.config.train import OptimConfig, TrainConfig
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.rewards.config import RewardConfig
 from megatron_rl.launch.slurm import SlurmConfig
-from megatron_rl.profiling import ProfileConfig
 
 logger = logging.getLogger(__name__)
 

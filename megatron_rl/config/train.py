@@ -14,7 +14,7 @@ from typing import Literal, Optional, Tuple
 
 from megatron_rl.config.objective import ObjectiveConfig
 from megatron_rl.config.sections import ModelConfig, RoutingDiagnosticsConfig
-from megatron_rl.schedules import LRScheduleConfig
+from megatron_rl.lr_schedules import LRScheduleConfig
 
 _DEFAULT_SCHEDULE_LR = LRScheduleConfig().lr
 
@@ -35,8 +35,10 @@ class OptimConfig:
         schedule: LR schedule (warmup + constant / cosine / length-surge), stepped once per successful
             optimizer step.
         nonfinite_weights: what happens when an optimizer step (with finite gradients) makes the weights
-            non-finite: ``rollback`` (the step is undone and counted as skipped; keeps a host copy of the
-            parameters and Adam state, ~4x the parameter bytes) or ``stop`` (the run stops with an error).
+            non-finite: ``rollback`` (the step is undone and counted as skipped) or ``stop`` (the run stops with
+            an error). Free in a sane run: a bound on Adam's update (:mod:`megatron_rl.training.nan_guard`)
+            proves the step safe before it is taken; only a step it cannot prove safe keeps a host copy of the
+            parameters and Adam state (~4x the parameter bytes) to roll back from.
     """
 
     lr: float = 1e-6
@@ -88,7 +90,7 @@ class TrainConfig:
         max_tokens_per_micro_batch: token budget of a train micro-batch per context-parallel rank (0: a
             fixed ``micro_batch_size``). Sequences are packed under this hard cap into as few micro-batches
             as it allows, estimated work balanced over them and (through the driver) over data-parallel
-            ranks, the same count on every rank (:mod:`megatron_rl.training.schedule`). Needs ``packing``.
+            ranks, the same count on every rank (:mod:`megatron_rl.training.token_budget`). Needs ``packing``.
         forward_max_tokens_per_micro_batch: the same for the forward-only passes (old / reference
             log-probs), which keep no activations for a backward and can take more (0: as
             ``max_tokens_per_micro_batch``).

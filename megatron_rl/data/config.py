@@ -7,9 +7,11 @@ the table is loaded (:func:`megatron_rl.data.loading.load_prompt_table`) and nam
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional, Tuple
+from typing import Iterator, Literal, Optional, Tuple
 
 DataFormat = Literal["auto", "jsonl", "parquet", "hf_disk"]
 OverlongPolicy = Literal["drop", "error"]
@@ -21,6 +23,26 @@ _POLICIES = ("drop", "error")
 EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 # Files `Dataset.save_to_disk` / `DatasetDict.save_to_disk` always write at the top of the directory.
 HF_DISK_MARKERS = ("state.json", "dataset_dict.json")
+
+
+_DEFER_PATH_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("defer_data_path_check", default=False)
+
+
+@contextlib.contextmanager
+def deferred_path_checks() -> Iterator[None]:
+    """Inside, a :class:`DataConfig` whose path does not exist is still built, so that ``--dry-run`` lists a
+    missing data file together with every other problem (``check_prompt_file`` reports it) instead of alone."""
+    token = _DEFER_PATH_CHECK.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_PATH_CHECK.reset(token)
+
+
+def missing_path_message(section: str, path: str) -> str:
+    return (f"{section}.path={path!r} does not exist (cwd: {os.getcwd()}); point it at a .jsonl/.parquet file or a "
+            "directory written by Dataset.save_to_disk (math data: `python tools/prepare_math_data.py gsm8k "
+            "--split train --out data/gsm8k_train.jsonl`, --split test for the eval file)")
 
 
 @dataclass(frozen=True)
@@ -88,8 +110,9 @@ class DataConfig:
                 raise ValueError(f"data.metadata_fields contains {name!r}, which is already the prompt or "
                                  "label field; remove it from metadata_fields")
         if not os.path.exists(self.path):
-            raise ValueError(f"data.path={self.path!r} does not exist (cwd: {os.getcwd()}); point it at a "
-                             ".jsonl/.parquet file or a directory written by Dataset.save_to_disk")
+            if _DEFER_PATH_CHECK.get():  # load_run_config: reported with every other problem by the file checks
+                return
+            raise ValueError(missing_path_message("data", self.path))
         self.resolved_format()  # raises for an extension/directory we cannot read
 
     def resolved_format(self) -> str:

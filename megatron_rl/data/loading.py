@@ -7,11 +7,12 @@ All three go through ``datasets`` so that large tables stay memory-mapped Arrow 
 from __future__ import annotations
 
 import json
+import os
 from typing import Iterable, List, Tuple
 
 import datasets
 
-from megatron_rl.data.config import DataConfig
+from megatron_rl.data.config import DataConfig, missing_path_message
 
 
 def load_prompt_table(config: DataConfig) -> datasets.Dataset:
@@ -67,6 +68,8 @@ def check_prompt_file(config: DataConfig, section: str = "data") -> None:
     row has the prompt, label and metadata columns. Raises ``ValueError`` naming the file (and the line of a
     jsonl file), what is wrong and the fix. ``section``: the config path for messages (``data``, ``eval.data``)."""
     where = f"{section}.path={config.path!r}"
+    if not os.path.exists(config.path):
+        raise ValueError(missing_path_message(section, config.path))
     fmt = config.resolved_format()
     if fmt == "jsonl":
         rows = _jsonl_rows(config.path, where)

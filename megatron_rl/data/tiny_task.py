@@ -28,7 +28,11 @@ import os
 import shutil
 from typing import Dict, List
 
-from megatron_rl.data.arithmetic import all_problems, write_arithmetic_dataset, write_jsonl
+import torch
+import transformers
+
+from megatron_rl.data.arithmetic import all_problems, generate_problems, write_arithmetic_dataset, write_jsonl
+from megatron_rl.data.tiny_tokenizer import make_tiny_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,6 @@ def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, model: str = "qwen
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(ready):
         os.remove(ready)
-    from megatron_rl.data.tiny_tokenizer import make_tiny_tokenizer
 
     tok = make_tiny_tokenizer(paths["tokenizer"])
     write_arithmetic_dataset(paths["train.jsonl"], num_problems=num_train, seed=seed)
@@ -90,9 +93,6 @@ def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, model: str = "qwen
 
 
 def _student(seed: int, model: str = "qwen3"):
-    import torch
-    import transformers
-
     config_cls, model_cls, fields = MODELS[model]
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).float()
@@ -107,8 +107,6 @@ def _save(model, tok, path: str) -> None:
 
 def _encode(tok, rows: List[Dict[str, str]]):
     """``[N, L]`` ids of ``<bos>prompt answer<eos>`` and the mask of the answer tokens (incl. EOS)."""
-    import torch
-
     seqs, masks = [], []
     for r in rows:
         prompt = tok(r["prompt"])["input_ids"]
@@ -123,10 +121,6 @@ def _encode(tok, rows: List[Dict[str, str]]):
 
 def _supervised_fine_tune(model, tok, seed: int, steps: int, lr: float, batch: int) -> float:
     """Cross-entropy on the answer tokens of the train problems; returns the greedy accuracy on all 100."""
-    import torch
-
-    from megatron_rl.data.arithmetic import generate_problems
-
     ids, mask = _encode(tok, generate_problems(4096, seed=seed + 1))
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -146,8 +140,6 @@ def _supervised_fine_tune(model, tok, seed: int, steps: int, lr: float, batch: i
 @__import__("torch").no_grad()
 def greedy_accuracy(model, tok) -> float:
     """Exact-match accuracy of greedy answers over all 100 problems (teacher-forced argmax decoding)."""
-    import torch
-
     rows = all_problems()
     correct = 0
     for r in rows:

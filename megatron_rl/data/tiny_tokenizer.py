@@ -33,6 +33,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from transformers import PreTrainedTokenizerFast
+
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SYSTEM_ID, USER_ID, ASSISTANT_ID = 4, 5, 6
 TINY_VOCAB_SIZE = 64
@@ -58,7 +60,6 @@ CHAT_TEMPLATE = (
 def build_tiny_tokenizer() -> Any:
     """The tokenizer in memory (a ``transformers`` fast tokenizer); see the module docstring for ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     tokens = _SPECIAL + _CHARS + _RESERVED
     assert len(tokens) == TINY_VOCAB_SIZE and len(set(tokens)) == TINY_VOCAB_SIZE

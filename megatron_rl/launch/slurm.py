@@ -15,7 +15,6 @@ import argparse
 import re
 import shlex
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,6 @@ from megatron_rl.launch.sbatch_template import TEMPLATE
 _SBATCH_TOKEN = re.compile(r"^[^\s'\"\\]+$")  # #SBATCH lines are not shell-parsed: no spaces or quotes
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^(\d+-\d+)$|^(?i:infinite|unlimited)$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 _PER_NODE_PORTS = 6  # node manager, object manager, agent grpc + http, metrics, runtime-env agent
 
 
@@ -187,31 +185,8 @@ def submit(script: str, cfg: SlurmConfig, save_to: Optional[str] = None) -> str:
 
 # ---- command line: `megatron-rl slurm RECIPE [key=value ...] [--nodes N ...] [--dry-run]`
 
-_FLAGS = (("nodes", int), ("gpus_per_node", int), ("cpus_per_task", int), ("partition", str),
+SBATCH_FLAGS = (("nodes", int), ("gpus_per_node", int), ("cpus_per_task", int), ("partition", str),
           ("account", str), ("time", str), ("job_name", str), ("network_interface", str))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="the training recipe (YAML); its optional `slurm:` section is read here")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="passed to `megatron-rl train`; `slurm.<field>=value` ones set the SLURM config instead")
-    p.add_argument("--slurm-config", metavar="YAML", help="site settings (a `slurm:` section or a plain mapping), "
-                   "applied after the recipe's section")
-    for name, tp in _FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=tp)
-    p.add_argument("--command", metavar="CMD", help="run CMD on the Ray cluster instead of `megatron-rl train RECIPE "
-                   "key=value ...` (e.g. an evaluation script); RECIPE then only provides the `slurm:` section")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
-    p.add_argument("--save", metavar="PATH", help="also write the sbatch script to PATH")
-
-    # argparse takes positionals only in one run, so `RECIPE --nodes 2 a.b=1` would leave `a.b=1`
-    # unrecognized; collect key=value tokens wherever they stand (this parser only).
-    def parse_known_args(args=None, namespace=None):
-        ns, extra = argparse.ArgumentParser.parse_known_args(p, args, namespace)
-        ns.overrides = list(ns.overrides or []) + [a for a in extra if _OVERRIDE.match(a)]
-        return ns, [a for a in extra if not _OVERRIDE.match(a)]
-
-    p.parse_known_args = parse_known_args
 
 
 def config_from_args(args: argparse.Namespace) -> Tuple[SlurmConfig, str]:
@@ -221,7 +196,7 @@ def config_from_args(args: argparse.Namespace) -> Tuple[SlurmConfig, str]:
     if args.slurm_config:
         site = config_io.load_yaml(args.slurm_config)
         data = config_io.merge(data, site.get("slurm", site))
-    data = config_io.merge(data, {n: getattr(args, n) for n, _ in _FLAGS if getattr(args, n) is not None})
+    data = config_io.merge(data, {n: getattr(args, n) for n, _ in SBATCH_FLAGS if getattr(args, n) is not None})
     slurm_over = [o[len("slurm."):] for o in args.overrides if o.startswith("slurm.")]
     train_over = [o for o in args.overrides if not o.startswith("slurm.")]
     data = config_io.merge(data, config_io.parse_overrides(slurm_over))
@@ -233,18 +208,3 @@ def config_from_args(args: argparse.Namespace) -> Tuple[SlurmConfig, str]:
     return cfg, shlex.join(["megatron-rl", "train", args.recipe, *train_over])
 
 
-def cli_main(args: argparse.Namespace) -> int:
-    try:
-        cfg, train_command = config_from_args(args)
-        script = render_sbatch(cfg, train_command)
-        if args.dry_run:
-            if args.save:
-                Path(args.save).write_text(script)
-            print(script, end="")
-            return 0
-        job_id = submit(script, cfg, args.save)
-    except (ValueError, RuntimeError) as e:  # ConfigError is a ValueError
-        print(f"megatron-rl slurm: error: {e}", file=sys.stderr)
-        return 2
-    print(f"submitted job {job_id}: logs in {cfg.log_dir}/{cfg.job_name}-{job_id}.out")
-    return 0

@@ -4,10 +4,13 @@
               HF -> TransformerConfig, padded vocabulary
   spec.py     layer specs: Transformer Engine on GPU, portable torch spec (SDPA attention, RMSNorm)
   attention.py  the portable core attention: SDPA over padded or packed (THD) input, context parallelism
-  build.py    build_model(): this rank's pipeline stage, weights loaded; BuiltModel, ShardLayout
+  packed_attention.py  packed (THD) attention in one call per layer: varlen (CUDA), padded SDPA, plans
+  build.py    build_model(): this rank's pipeline stage, weights loaded
+  built.py    BuiltModel (what build_model returns), ShardLayout, Axis
   mapping.py  HF <-> Megatron names, shapes and sharding kinds (pure)
   weights.py  load_hf_weights(), iter_hf_weights() (streaming export), save_hf_checkpoint()
   router.py   MoE routing record / replay (RouterReplay wrapper)
+  shards.py   what each trainer rank owns of the HF weights: (Piece, tensor) pairs, no communication
 """
 
 from megatron_rl.models.config import SUPPORTED_MODEL_TYPES, HFArch, ModelConfig, padded_vocab_size

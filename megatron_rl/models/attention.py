@@ -8,10 +8,11 @@ with ``qkv_format='thd'``), ``[t, np, hn]`` with the sequences back to back and 
 
 * Padded: causal SDPA (right padding is harmless under a causal mask) or Megatron's boolean mask
   (``True`` = masked out).
-* Packed: causal SDPA per sequence (``cu_seqlens_*_padded`` when given: the segments the stream is cut
-  into), sequences of equal length batched into one call, so attention never crosses a boundary and
-  costs ``O(Σ L_i²)``. The alternative, one SDPA over the whole stream with a block-diagonal causal
-  mask, costs ``O(T²)``; ``PACKED_IMPL`` selects it for the comparison in ``tools/bench_train.py``.
+* Packed (``cu_seqlens_*_padded`` when given: the segments the stream is cut into), attention never
+  crossing a boundary: on CUDA one call per layer whatever the number of sequences (varlen flash
+  attention; one padded causal SDPA under CP, in float32 or with dropout), on CPU one SDPA per distinct
+  length (:mod:`megatron_rl.models.packed_attention`; ``PACKED_IMPL`` overrides the choice by device, e.g.
+  the ``O(T²)`` block-diagonal mask in ``tools/bench_train.py``).
 * Context parallelism (CP > 1): the local tokens are Megatron's zigzag chunks (chunks ``r`` and
   ``2·CP−1−r`` of ``2·CP``: of the padded sequence axis, or of each packed sequence). K/V are
   all-gathered over the CP group (its backward sums the K/V gradients of every rank's queries and
@@ -22,16 +23,18 @@ with ``qkv_format='thd'``), ``[t, np, hn]`` with the sequences back to back and 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_rl.models import packed_attention as packed
 from megatron_rl.objectives.reduce import zigzag_split
 
-PACKED_IMPL = "per_sequence"  # or "block_diagonal" (benchmark only)
+PACKED_IMPL = "auto"  # by device (packed_attention.choose_impl); or "padded", "varlen", "block_diagonal"
 
 
 class SDPACoreAttention(MegatronModule):
@@ -49,7 +52,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection=None,
     ) -> None:
         super().__init__(config=config)
-        from megatron.core.transformer.enums import AttnMaskType
 
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError("SDPACoreAttention supports vanilla softmax without sliding window only")
@@ -105,23 +107,20 @@ class SDPACoreAttention(MegatronModule):
 
     def _packed(self, query, key, value, params, dropout) -> torch.Tensor:
         t, np_, hn = query.shape
-        plan = _packed_plan(params, self.cp, self.cp_group.rank() if self.cp > 1 else 0, query.device)
-        q, k, v = (x.permute(1, 0, 2) for x in (query, key, value))  # [heads, t, hn]
-        if self.cp > 1:
-            kv = gather_from_cp(torch.cat([k, v], dim=-1), self.cp_group, dim=1)
-            k, v = kv.index_select(1, plan.to_stream).split(hn, dim=-1)  # rank order -> stream order
+        rank = self.cp_group.rank() if self.cp > 1 else 0
+        plan = packed.plan_for(params, self.cp, rank, query.device)
+        k, v = key, value
+        if self.cp > 1:  # [T, groups, hn] in rank order; the plan's indices map stream rows into it
+            kv = gather_from_cp(torch.cat([key, value], dim=-1), self.cp_group, dim=0)
+            k, v = kv.split(hn, dim=-1)
+        impl = packed.choose_impl(PACKED_IMPL, query, self.cp, dropout)
         sp = self.config.sequence_parallel
-        if PACKED_IMPL == "block_diagonal":
-            mask = (plan.seg_k[None, :] == plan.seg_q[:, None]) & (plan.pos_k[None, :] <= plan.pos_q[:, None])
-            out = _sdpa(q[None], k[None], v[None], mask, False, dropout, self.scale, sp)[0]
-        else:  # one SDPA per sequence length: the sequences of that length batched
-            parts = []
-            for q_index, kv_index, mask in plan.groups:
-                qg, kg, vg = (x[:, idx].transpose(0, 1) for x, idx in ((q, q_index), (k, kv_index), (v, kv_index)))
-                o = _sdpa(qg, kg, vg, mask, mask is None, dropout, self.scale, sp)  # [n, heads, lq, hn]
-                parts.append(o.transpose(0, 1).reshape(np_, -1, hn))
-            out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:, plan.inverse]
-        return out.permute(1, 0, 2).reshape(t, np_ * hn)
+
+        def sdpa(q, k, v, mask, causal, p):
+            return _sdpa(q, k, v, mask, causal, p, self.scale, sp)
+
+        out = packed.packed_attention(impl, query, k, v, plan, self.scale, dropout, sdpa)
+        return out.reshape(t, np_ * hn)
 
 
 def _sdpa(q, k, v, mask, causal, dropout, scale, sequence_parallel):
@@ -170,55 +169,3 @@ class _GatherFromCP(torch.autograd.Function):
 
 def gather_from_cp(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _GatherFromCP.apply(x, group, dim)
-
-
-class _PackedPlan:
-    """Per-micro-batch index work of the packed path, computed at the first layer and reused by the rest.
-
-    ``groups``: per distinct segment length ``L``, ``(q_index [n, lq], kv_index [n, L], mask)``: the local
-    rows of the ``n`` segments of that length, their keys in the (gathered) stream, and the causal mask of
-    a local chunk against its whole segment under CP (None: plain causal). ``inverse`` puts the groups'
-    outputs back in local-stream order."""
-
-    def __init__(self, bounds: List[int], cp: int, rank: int, device) -> None:
-        starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        stream = torch.arange(bounds[-1], device=device)
-        seg_k = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-        local_starts = [a // cp for a in starts]  # each segment keeps L / cp rows, in stream order
-        if cp > 1:
-            # the local stream: every segment's zigzag chunks; an all-gather yields the ranks' streams in order
-            per_rank = [torch.cat([a + zigzag_positions(n, cp, r, device) for a, n in zip(starts, lengths)])
-                        for r in range(cp)]
-            local = per_rank[rank]
-            self.to_stream = torch.argsort(torch.cat(per_rank))  # gathered row of each stream position
-        else:
-            local = stream
-        self.seg_q, self.seg_k, self.pos_q, self.pos_k = seg_k[local], seg_k, local, stream
-        by_length: dict = {}
-        for i, n in enumerate(lengths):
-            if n:
-                by_length.setdefault(n, []).append(i)
-        self.groups: List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = []
-        for n, segs in sorted(by_length.items()):
-            rows = torch.arange(n // cp, device=device)
-            q_index = torch.tensor([local_starts[i] for i in segs], device=device)[:, None] + rows
-            kv_index = torch.tensor([starts[i] for i in segs], device=device)[:, None] + torch.arange(n, device=device)
-            mask = None
-            if cp > 1:
-                mine = zigzag_positions(n, cp, rank, device)
-                mask = torch.arange(n, device=device)[None, :] <= mine[:, None]
-            self.groups.append((q_index, kv_index, mask))
-        self.inverse = torch.argsort(torch.cat([q.reshape(-1) for q, _, _ in self.groups]))
-
-
-def _packed_plan(params, cp: int, rank: int, device) -> _PackedPlan:
-    plan = getattr(params, "_megatron_rl_plan", None)
-    if plan is None:
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = [int(x) for x in cu.tolist()]
-        if cp > 1 and any((b - a) % (2 * cp) for a, b in zip(bounds[:-1], bounds[1:])):
-            raise ValueError(f"packed sequences under context parallelism must be padded to multiples of 2*cp="
-                             f"{2 * cp}; got boundaries {bounds}")
-        plan = _PackedPlan(bounds, cp, rank, device)
-        params._megatron_rl_plan = plan  # the same params object reaches every layer of the forward
-    return plan

@@ -12,86 +12,32 @@ the losses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from transformers import AutoConfig
 
+from megatron_rl import compat
 from megatron_rl.models.config import HFArch, ModelConfig, padded_vocab_size, transformer_config
+from megatron_rl.models.built import Axis, BuiltModel, ShardLayout
+from megatron_rl.models.spec import decoder_block_spec
+from megatron_rl.models.weights import load_hf_weights
 from megatron_rl.parallel import ParallelGroups
 
 
-@dataclass(frozen=True)
-class Axis:
-    """One parallel dimension as this rank sees it."""
-
-    size: int
-    rank: int
-    group: Optional[dist.ProcessGroup]
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where this rank's shard sits: TP, PP, EP and expert-TP axes and every stage's layer range (and the
-    context-parallel axis, which holds no weights but splits every sequence)."""
-
-    tp: Axis
-    pp: Axis
-    ep: Axis
-    etp: Axis
-    stage_layers: Tuple[Tuple[int, int], ...]  # per PP stage: (first global layer, number of layers)
-    cp: Axis = Axis(1, 0, None)
-
-    def stage_of_layer(self, layer: int) -> int:
-        for stage, (first, count) in enumerate(self.stage_layers):
-            if first <= layer < first + count:
-                return stage
-        raise ValueError(f"layer {layer} is on no pipeline stage {self.stage_layers}")
-
-
-@dataclass
-class BuiltModel:
-    """A built policy model and everything needed to feed it and move its weights."""
-
-    module: Any  # megatron.core.models.gpt.GPTModel
-    cfg: ModelConfig
-    arch: HFArch
-    tconfig: Any  # megatron.core.transformer.TransformerConfig
-    shard: ShardLayout
-
-    @property
-    def vocab_size(self) -> int:
-        return self.arch.vocab_size
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.arch.vocab_size, self.cfg.vocab_divisor, self.shard.tp.size)
-
-    @property
-    def pre_process(self) -> bool:
-        return self.shard.pp.rank == 0
-
-    @property
-    def post_process(self) -> bool:
-        return self.shard.pp.rank == self.shard.pp.size - 1
-
-    def layers(self) -> List[Tuple[int, Any]]:
-        """``(global layer index, TransformerLayer)`` for this stage's layers."""
-        return [(layer.layer_number - 1, layer) for layer in self.module.decoder.layers]
-
-
 def load_arch(hf_path: str) -> HFArch:
-    from transformers import AutoConfig
-
     return HFArch.from_hf(AutoConfig.from_pretrained(hf_path))
 
 
 def _shard_layout(tconfig, groups: ParallelGroups) -> ShardLayout:
     # Megatron's parallel_state is read here, at the edge (expert-TP is not in ParallelGroups).
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     lay = groups.layout
     stages = tuple(
@@ -121,10 +67,6 @@ def _mark_tensor_parallel_weights(module, tconfig) -> None:
     de-duplicates over TP (grad norm and clipping, zero counting) treats sharded weights as replicated
     and counts only TP rank 0's shard: the grad norm at TP=2 came out ~30 % low.
     """
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
-    )
-
     for name, m in module.named_modules():
         if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
@@ -146,13 +88,8 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool 
     Without ``load_weights`` the parameters are randomly initialised from ``cfg.seed`` (identical
     across layouts because Megatron's CPU initialisation draws full tensors, then slices them).
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from megatron_rl import compat
-    from megatron_rl.models.spec import decoder_block_spec
-
     compat.apply()
+    compat.vectorise_thd_rope()  # also on CUDA: no per-sequence loop on the model path
     arch = load_arch(cfg.hf_path)
     # Loading overwrites every parameter: skip the (slow, full-size on CPU) random initialisation.
     tconfig = transformer_config(cfg, arch, groups.layout, initialize=not load_weights)
@@ -181,7 +118,5 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool 
         _mark_tensor_parallel_weights(module, tconfig)
     built = BuiltModel(module=module, cfg=cfg, arch=arch, tconfig=tconfig, shard=shard)
     if load_weights:
-        from megatron_rl.models.weights import load_hf_weights
-
         load_hf_weights(built, cfg.hf_path)
     return built

@@ -38,6 +38,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_rl.models.build import BuiltModel
 
@@ -139,8 +140,6 @@ def record_routing(built: BuiltModel, *, gather_sequence_parallel: bool = True) 
             record.calls.setdefault(layer, []).append(ids.clone())
 
         return lambda: router.register_forward_hook(after_forward)
-
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     hooks = [hook_for(i, r) for i, r, _ in _replays(built)]
     with _action(built, RouterReplayAction.RECORD, hooks):
@@ -262,8 +261,6 @@ def replay_routing(built: BuiltModel, topk_ids: Optional[Mapping[int, torch.Tens
     between the ids and the router's input raises ValueError. ``shadow``: also record each router's own
     choice (``replayer.shadow``).
     """
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     replayer = RoutingReplayer(built, shadow=shadow)
     for layer, _, replay in replayer._routers:
         replay.get_replay_topk = replayer._topk_for(layer)  # instance attribute: shadows the method

@@ -6,7 +6,7 @@ is produced by exactly one rank of the job: data-parallel (and context-parallel)
 (``dp`` rank 0 does; expert-data-parallel rank 0 for experts), a TP-replicated tensor (norms, router)
 comes from TP rank 0, and a TP / expert-TP / EP shard is cut into the HF boxes it fills (a fused QKV shard
 into its q, k and v rows, a gate|up shard into two row ranges, a row-parallel shard into a column range,
-the padded vocabulary's tail dropped). The weight sync (``rollout/weight_sync.py``) sends each piece
+the padded vocabulary's tail dropped). The weight sync (``weights/sync.py``) sends each piece
 straight from its owner to the engine side, which assembles: no all-gather, no rank that sees everything.
 """
 
@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 import torch
+from megatron.core import parallel_state as ps
 
 from megatron_rl.models import mapping
 from megatron_rl.models.mapping import QKVLayout, shard_range
+from megatron_rl.models.weights import _local_param, _owner_stage
 
 Box = Tuple[Tuple[int, int], ...]
 
@@ -57,8 +59,6 @@ def _rows(shape, r0: int, r1: int) -> Box:
 
 def _replica_ranks() -> Tuple[int, int]:
     """(data-parallel rank incl. context parallelism, expert-data-parallel rank); (0, 0) outside Megatron."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         return 0, 0
     return ps.get_data_parallel_rank(with_context_parallel=True), ps.get_expert_data_parallel_rank()
@@ -111,8 +111,6 @@ def _unit_pieces(built, unit: mapping.Unit, target) -> List[Tuple[Piece, torch.T
 def owned_pieces(built) -> Iterator[Tuple[Piece, torch.Tensor]]:
     """This rank's pieces in the stable export order (units, then HF names). Tensors may be views of the
     parameters (a fused QKV shard's q/k/v rows are strided: ``.contiguous()`` before sending)."""
-    from megatron_rl.models.weights import _local_param, _owner_stage
-
     dp, edp = _replica_ranks()
     layers = dict(built.layers())
     for unit in mapping.units(built.arch):

@@ -17,6 +17,19 @@ import importlib.util
 from typing import List
 
 import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer, TransformerLayerSubmodules, get_transformer_layer_offset,
+)
 
 from megatron_rl.models.attention import SDPACoreAttention
 from megatron_rl.models.config import ModelConfig
@@ -53,17 +66,6 @@ def resolve_layer_spec(choice: str) -> str:
 
 def _local_layer_spec(num_experts: int, qk_norm: bool):
     """One layer: dense MLP when ``num_experts == 0``, else Megatron's MoE layer (SequentialMLP)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-
     moe = num_experts > 0
     if moe:
         mlp = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
@@ -108,8 +110,6 @@ def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
         return get_gpt_decoder_block_spec(
             tconfig, use_transformer_engine=True, normalization="RMSNorm", pp_rank=pp_rank
         )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if tconfig.moe_grouped_gemm:
         raise ValueError("model.moe_grouped_gemm needs the TE layer spec (the local spec runs experts one by one)")

@@ -22,9 +22,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from megatron_rl.models import mapping
-from megatron_rl.models.build import Axis, BuiltModel
+from megatron_rl.models.built import Axis, BuiltModel
 from megatron_rl.models.mapping import QKVLayout, Unit, shard_range
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -34,8 +36,6 @@ class SafetensorsDir:
     """Random access to the tensors of an HF safetensors directory, reading slices only."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         self._open = safe_open
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -197,7 +197,7 @@ def _gather(t: torch.Tensor, axis: Axis) -> List[torch.Tensor]:
         dist.all_gather(out, t, group=axis.group)
         return out
     # gloo's all_gather moves MB-sized tensors 3-4x slower than its send/recv on a small CPU machine (2 ranks:
-    # 37 MB in 121 ms vs 36 ms, rollout/weight_links.py): exchange the shards pairwise instead
+    # 37 MB in 121 ms vs 36 ms, weights/links.py): exchange the shards pairwise instead
     n, r = axis.size, axis.rank
     out[r] = t
     works = []
@@ -289,8 +289,6 @@ def save_hf_checkpoint(
     there are several). Non-weight files of ``src_dir`` (default: ``built.cfg.hf_path``) —
     ``config.json``, generation config, tokenizer — are copied alongside.
     """
-    from safetensors.torch import save_file
-
     writer = not dist.is_initialized() or dist.get_rank() == 0
     src_dir = src_dir or built.cfg.hf_path
     shards: List[Dict[str, str]] = []
@@ -301,6 +299,10 @@ def save_hf_checkpoint(
         nonlocal bucket, size
         fn = f"model-part-{len(shards):05d}.safetensors"
         save_file(bucket, os.path.join(out_dir, fn), metadata={"format": "pt"})
+        # safetensors writes through a private (0600) temporary file: give it the mode open() gives its siblings
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(os.path.join(out_dir, fn), 0o666 & ~umask)
         shards.append({n: fn for n in bucket})
         bucket, size = {}, 0
 

@@ -19,6 +19,7 @@ import torch
 
 from megatron_rl.config.objective import DenseKLConfig
 from megatron_rl.objectives.reduce import ProcessGroup, scan_along_sequence
+from megatron_rl.ops import vocab_parallel_kl
 
 Tensor = torch.Tensor
 
@@ -30,8 +31,6 @@ def dense_kl_per_token(logits: Tensor, ref_logits: Tensor, cfg: DenseKLConfig, *
                        chunk_size: Optional[int] = None) -> Tensor:
     """κ_t per token ``[*]`` from identically sharded student / reference logits ``[*, V_local]``;
     differentiable w.r.t. the student logits only. Goes into ``LossInputs.ref_kl``."""
-    from megatron_rl.ops import vocab_parallel_kl
-
     return vocab_parallel_kl(logits, ref_logits.detach(), tp_group=tp_group, direction=cfg.direction,
                              vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size)
 

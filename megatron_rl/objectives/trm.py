@@ -21,6 +21,7 @@ import torch
 
 from megatron_rl.config.objective import DIVERGENCES, TRMConfig  # noqa: F401
 from megatron_rl.objectives.divergence import SeqDivergenceStats
+from megatron_rl.ops import vocab_parallel_kl
 
 Tensor = torch.Tensor
 
@@ -66,8 +67,6 @@ def exact_rollout_kl(anchor_logits: Tensor, rollout_logits: Tensor, *, tp_group=
     Both logit tensors ``[*, V_local]`` must be sharded identically. Rollout first (§a.1), i.e.
     ``vocab_parallel_kl(..., direction="forward")`` with the rollout logits as the reference.
     """
-    from megatron_rl.ops import vocab_parallel_kl
-
     with torch.no_grad():
         return vocab_parallel_kl(anchor_logits.detach(), rollout_logits.detach(), tp_group=tp_group,
                                  direction="forward", vocab_size=vocab_size, temperature=temperature,

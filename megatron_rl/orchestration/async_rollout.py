@@ -45,9 +45,9 @@ from megatron_rl.data.rewards.runner import FAILURE_KINDS
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration.modes import Rollouts
-from megatron_rl.orchestration.rollout import Group, RolloutBatch, RolloutPhase, rollout_metrics, request_seed
+from megatron_rl.orchestration.rollout_phase import Group, RolloutBatch, RolloutPhase, request_seed, rollout_metrics
 from megatron_rl.orchestration.staleness import StalenessController
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 ASYNC_ROUND = 1 << 21  # the stream's request seeds: request_seed(seed, admission index, ASYNC_ROUND, 0)

@@ -18,7 +18,7 @@ import torch
 
 from megatron_rl.advantages import AdvantageConfig, compute_advantages
 from megatron_rl.objectives import ObjectiveConfig, add_future_kl_cost, kl_in_reward
-from megatron_rl.orchestration.rollout import Group
+from megatron_rl.orchestration.rollout_phase import Group
 from megatron_rl.routing import RoutingLayout, attach_routes
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult

@@ -48,9 +48,11 @@ import threading
 import time
 from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence
 
+import ray
+
 from megatron_rl.config import RecoveryConfig
 from megatron_rl.orchestration.failures import RunError, actor_death
-from megatron_rl.rollout.balancer import RemoteEngine
+from megatron_rl.rollout.client.balancer import RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +81,6 @@ class ActorEngine:
         self.actor, self.index, self.call_timeout_s = actor, index, call_timeout_s
 
     def _get(self, ref, timeout: Optional[float]):
-        import ray
-
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayActorError as e:
@@ -89,8 +89,6 @@ class ActorEngine:
                                       "node lost?)") from None
 
     def exit_status(self) -> Optional[str]:
-        import ray
-
         try:
             return self._get(self.actor.exit_status.remote(), self.call_timeout_s)
         except ray.exceptions.GetTimeoutError:

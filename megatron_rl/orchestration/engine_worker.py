@@ -1,11 +1,11 @@
 """One rollout engine as a Ray actor: it runs an SGLang-protocol server as a child process and manages it.
 
-* ``embedded``: ``python -m megatron_rl.rollout.server`` -- our SGLang-compatible HTTP server over an
+* ``embedded``: ``python -m megatron_rl.rollout.embedded.server`` -- our SGLang-compatible HTTP server over an
   :class:`~megatron_rl.rollout.embedded.EmbeddedEngine` (transformers). On CPU this is what makes the
   driver's SGLang client path -- HTTP generate, weight updates, memory release -- run for real over loopback.
 * ``sglang``: ``python -m sglang.launch_server`` on the GPUs Ray gave this actor (``CUDA_VISIBLE_DEVICES``).
 
-Both are a :class:`~megatron_rl.rollout.process.ManagedServer` in their own session, logging to
+Both are a :class:`~megatron_rl.rollout.client.process.ManagedServer` in their own session, logging to
 ``<output_dir>/<kind>_<index>.log``: the actor can see the server's exit status, SIGKILL it (what a crash
 looks like, also for tests) and launch it again, while it stays the engine's Ray handle -- engine recovery
 (``engine_health.py``) restarts a dead or hung server through :meth:`EngineWorker.restart`, which launches
@@ -24,12 +24,19 @@ engine kind, and for ``rollout.engine: remote`` servers nobody here started).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
+import ray
+import torch
+
 from megatron_rl.config import SGLangConfig
+from megatron_rl.rollout.client.process import launch_embedded_server
+from megatron_rl.rollout.client.sglang import SGLangServerConfig, launch_sglang_server
 
 
 @dataclass
@@ -49,8 +56,6 @@ class EngineSpec:
 
     def sglang_server(self, log_path: Optional[str] = None, devices: Optional[str] = None):
         """The ``sglang.launch_server`` configuration of this engine (``devices``: its CUDA_VISIBLE_DEVICES)."""
-        from megatron_rl.rollout.sglang import SGLangServerConfig
-
         s = self.sglang
         return SGLangServerConfig(
             model_path=self.model_path, tp_size=s.tp_size, mem_fraction_static=s.mem_fraction_static,
@@ -83,7 +88,6 @@ class EngineWorker:
     def _advertised(self, url: str) -> str:
         if self.spec.host != "0.0.0.0":
             return url
-        import ray
 
         return url.replace("0.0.0.0", ray.util.get_node_ip_address())
 
@@ -96,8 +100,6 @@ class EngineWorker:
         return os.path.join(self.spec.log_dir, f"{self.spec.kind}_{self.spec.index}.log")
 
     def _launch_embedded(self):
-        from megatron_rl.rollout.process import launch_embedded_server
-
         spec = self.spec
         device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") and _cuda_available() else "cpu"
         return launch_embedded_server(
@@ -106,8 +108,6 @@ class EngineWorker:
             extra_args=["--max-batch-rows", "256", "--dtype", spec.dtype, "--device", device])
 
     def _launch_sglang(self):
-        from megatron_rl.rollout.sglang import launch_sglang_server
-
         return launch_sglang_server(self.spec.sglang_server(self.log_path, self.devices))
 
     # ---- recovery (engine_health.py) ----------------------------------------------------------------
@@ -149,9 +149,6 @@ class EngineWorker:
         self._post("/stop_profile", {})
 
     def _post(self, path: str, body: dict) -> None:
-        import json
-        import urllib.request
-
         req = urllib.request.Request(self.process.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -169,6 +166,4 @@ class EngineWorker:
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()

@@ -18,7 +18,7 @@ from typing import Dict, List, Mapping, Sequence
 
 from megatron_rl.config import EvalConfig
 from megatron_rl.data.prompts import PromptDataset
-from megatron_rl.orchestration.rollout import RolloutPhase, request_seed
+from megatron_rl.orchestration.rollout_phase import RolloutPhase, request_seed
 
 _EVAL_ROUND = 1 << 20  # seeds of eval requests never collide with a training round's
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rl.training.checkpoint_integrity import CheckpointCorruptError, CheckpointMismatchError, CheckpointSpaceError
+from megatron_rl.rollout.client.http_client import ServerUnavailableError
+from megatron_rl.training.checkpoint_integrity import (
+    CheckpointCorruptError, CheckpointMismatchError, CheckpointSpaceError,
+)
+from megatron_rl.weights.sync import WeightSyncError
 
 _RAY_LOG_MARKERS = (":job_id:", ":actor_name:", ":task_name:")
 
 
 def user_errors() -> Tuple[type, ...]:
-    from megatron_rl.rollout.http_client import ServerUnavailableError
-    from megatron_rl.rollout.weight_sync import WeightSyncError
-
     return (RunError, CheckpointSpaceError, CheckpointCorruptError, CheckpointMismatchError, FloatingPointError,
             ServerUnavailableError, WeightSyncError)
 

@@ -21,7 +21,7 @@ import pickle
 from typing import Callable, Optional
 
 from megatron_rl.metrics import PhaseTimer
-from megatron_rl.orchestration.rollout import RolloutBatch
+from megatron_rl.orchestration.rollout_phase import RolloutBatch
 from megatron_rl.orchestration.staleness import staleness_metrics
 
 

@@ -24,13 +24,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+import ray
+from ray._private import ray_constants
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from megatron_rl.config import ClusterConfig, RolloutConfig
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
-from megatron_rl.orchestration.signals import keep_handlers
 from megatron_rl.orchestration.ray_guard import Guard
+from megatron_rl.orchestration.signals import keep_handlers
 from megatron_rl.orchestration.trainer_worker import TrainerSpec, TrainerWorker
 
 logger = logging.getLogger(__name__)
@@ -59,8 +65,6 @@ class LocalRay:
         self.guard = guard
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             ray.shutdown()
         finally:
@@ -69,8 +73,6 @@ class LocalRay:
 
 def init_ray(cluster: ClusterConfig, needed_cpus: float) -> Optional[LocalRay]:
     """Connect to (``cluster.address``) or start a local Ray; returns a handle when we started it."""
-    import ray
-
     if ray.is_initialized():
         return None
     env = worker_env(cluster)
@@ -100,8 +102,6 @@ def worker_env(cluster: ClusterConfig) -> Dict[str, str]:
     """The environment of the run's Ray workers (trainer ranks, engines and the servers they start). A local run
     binds gloo to the loopback interface (``GLOO_SOCKET_IFNAME=lo``, unless the user chose one): gloo listens on
     the address the hostname resolves to, often the machine's network address."""
-    import socket
-
     env = {"OMP_NUM_THREADS": str(cluster.threads_per_worker), "TOKENIZERS_PARALLELISM": "false",
            "RAY_USAGE_STATS_ENABLED": "0"}
     if not cluster.address and "GLOO_SOCKET_IFNAME" not in os.environ and hasattr(socket, "if_nameindex") \
@@ -116,8 +116,6 @@ def _loopback_only():
     machine's network address, and Ray's servers bind to it. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is read
     when ``ray`` is imported (by Ray's own processes, which inherit it); the driver may have imported ray
     already, so its constant is set for the ``ray.init`` call too."""
-    from ray._private import ray_constants
-
     key, before = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     constant = ray_constants.ENABLE_RAY_CLUSTER
     os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
@@ -142,9 +140,6 @@ class Placement:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Ask every engine and trainer to stop (all at once, ``timeout_s`` in all: after a failure a rank may
         be stuck in a collective and never answer), then kill the actors and remove the groups."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         refs = {}
         for i, e in enumerate(self.engines):
             refs[e.stop.remote()] = f"engine {i}"
@@ -167,8 +162,6 @@ class Placement:
 
 
 def _ready(pg, what: str, timeout_s: float = 600.0) -> None:
-    import ray
-
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -180,10 +173,6 @@ def _ready(pg, what: str, timeout_s: float = 600.0) -> None:
 def place(cluster: ClusterConfig, rollout: RolloutConfig, world_size: int, trainer_spec: TrainerSpec,
           engine_spec: Optional[EngineSpec]) -> Placement:
     """Create the placement groups and the (not yet set-up) trainer and engine actors."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     colocated = rollout.placement == "colocated"
     share = 0.5 if colocated and engine_spec is not None else 1.0
     c_t, g_t = cluster.cpus_per_trainer, cluster.gpus_per_trainer

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import ray
+
 from megatron_rl.metrics import progress
 
 State = Tuple[int, int, str]  # done, total, unit
@@ -49,16 +51,12 @@ class ProgressBoard:
     """The driver side: creates the board actor, hands out :class:`Reporter` s, draws the bars."""
 
     def __init__(self, poll_s: float = 0.25):
-        import ray
-
         # num_cpus=0: an actor asks for one CPU to be scheduled unless told otherwise; the run's CPUs
         # are all reserved by placement groups
         self.actor = ray.remote(_Board).options(num_cpus=0).remote()
         self.poll_s = poll_s
 
     def close(self) -> None:
-        import ray
-
         ray.kill(self.actor)
 
     def reporter(self) -> Reporter:
@@ -66,8 +64,6 @@ class ProgressBoard:
 
     def wait(self, refs: List[Any]) -> List[Any]:
         """``ray.get(refs)``, drawing the reported bars meanwhile (each closes when its call returns)."""
-        import ray
-
         bars: Dict[str, Any] = {}
         try:
             pending = list(refs)

@@ -39,7 +39,7 @@ from megatron_rl.orchestration.phases.profile import Profiler
 from megatron_rl.orchestration.phases.publish import WeightPublisher
 from megatron_rl.orchestration.phases.step_log import StepLog
 from megatron_rl.orchestration.phases.training import TrainingPhase
-from megatron_rl.orchestration.rollout import RolloutBatch, RolloutPhase
+from megatron_rl.orchestration.rollout_phase import RolloutBatch, RolloutPhase
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +121,9 @@ class Run:
     def _prepare_output_dir(self) -> None:
         cfg = self.cfg
         if cfg.overwrite and not cfg.resume:
-            for path in (cfg.checkpoint_root, os.path.join(cfg.output_dir, "tensorboard"),
-                         os.path.join(cfg.output_dir, "metrics.jsonl")):
+            # every output of the earlier run: a report/ or hf_final/ left beside new metrics would describe it
+            for path in (cfg.checkpoint_root, *(os.path.join(cfg.output_dir, name) for name in
+                                                ("tensorboard", "metrics.jsonl", "report", "hf_final"))):
                 if os.path.isdir(path):
                     shutil.rmtree(path)
                 elif os.path.exists(path):

@@ -33,7 +33,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from megatron_rl.rollout.protocol import Sample
+from megatron_rl.rollout.client.protocol import Sample
 
 RUNNING, READY = "running", "ready"
 ORDERS = ("fifo", "ready")

@@ -27,12 +27,12 @@ from megatron_rl.orchestration.engine_worker import EngineSpec
 from megatron_rl.orchestration.progress import maybe_board
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerSpec
-from megatron_rl.rollout.balancer import RemoteEngine
-from megatron_rl.rollout.http_client import SGLangClient
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.client.http_client import SGLangClient
 from megatron_rl.routing import RoutingLayout
 from megatron_rl.routing.align import expert_layout
 from megatron_rl.training.micro_batch import packed_lengths
-from megatron_rl.training.schedule import WorkModel
+from megatron_rl.training.token_budget import WorkModel
 
 logger = logging.getLogger(__name__)
 Closers = List[Callable[[], None]]

@@ -6,7 +6,7 @@ actors before any result is awaited -- and submitted under one lock: the engine-
 (``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
 actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
 data-parallel replica and are put back together in batch order. The batch is split over data-parallel ranks contiguously, or, with a
-token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.schedule.rank_rows`).
+token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.token_budget.rank_rows`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import ray
 import torch
 
 from megatron_rl.objectives import ObjectiveConfig
@@ -22,7 +23,7 @@ from megatron_rl.orchestration import failures
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
-from megatron_rl.training.schedule import rank_rows
+from megatron_rl.training.token_budget import rank_rows
 
 
 class TrainerGroup:
@@ -50,8 +51,6 @@ class TrainerGroup:
         return self._get(refs, method)
 
     def _get(self, refs: List[Any], method: str, bars: bool = True) -> List[Any]:
-        import ray
-
         try:
             return ray.get(refs) if self.progress is None or not bars else self.progress.wait(refs)
         except ray.exceptions.RayActorError as e:
@@ -67,8 +66,6 @@ class TrainerGroup:
     def _drain(refs: List[Any]) -> None:
         """Fetch the other ranks' (agreed) errors too, which Ray would otherwise log as "unhandled": a failed
         call can be recovered from (engine recovery retries a weight sync)."""
-        import ray
-
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=60)
         for ref in ready:
             try:
@@ -78,8 +75,6 @@ class TrainerGroup:
 
     def _dead_rank(self, method: str, refs: List[Any], error: BaseException) -> failures.RunError:
         """Which rank died (the first whose call failed with a dead actor), with its pid and log tail."""
-        import ray
-
         for rank, ref in enumerate(refs):
             ready, _ = ray.wait([ref], timeout=0.5)
             if not ready:
@@ -98,8 +93,6 @@ class TrainerGroup:
 
     # ---- set-up --------------------------------------------------------------------------------------
     def setup(self) -> None:
-        import ray
-
         addr, port = ray.get(self.workers[0].rendezvous_address.remote())
         self.infos = self._call("setup", addr, port)
         if self.progress is not None:
@@ -112,8 +105,6 @@ class TrainerGroup:
     # ---- batches -------------------------------------------------------------------------------------
     def _shards(self, batch: TrainBatch) -> Tuple[List[Any], torch.Tensor]:
         """(each worker's shard, the batch row of every shard row in DP-rank order)."""
-        import ray
-
         rows = rank_rows(batch.seq_lengths, self.dp, self.work)
         shards = [ray.put(batch.select(r)) for r in rows]  # each shard serialised once
         return [shards[info["dp_rank"]] for info in self.infos], torch.cat(rows)
@@ -170,8 +161,6 @@ class TrainerGroup:
         return self._call("device_ids")
 
     def save_checkpoint(self, ckpt_cfg, extra: Dict[str, Any], step: int) -> str:
-        import ray
-
         ref = ray.put(extra)  # one copy in the object store, read by every rank
         return self._rank0("save_checkpoint", ckpt_cfg, ref, step)
 
@@ -183,13 +172,9 @@ class TrainerGroup:
 
     # ---- profiling (not collective: only the chosen ranks) ---------------------------------------------
     def start_profile(self, ranks: List[int], path_of_rank, **options) -> None:
-        import ray
-
         ray.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks])
 
     def stop_profile(self, ranks: List[int]) -> List[Optional[str]]:
-        import ray
-
         return ray.get([self.workers[r].stop_profile.remote() for r in ranks])
 
 

@@ -7,8 +7,8 @@ model, optimizer and (optionally) a frozen reference model. Every other method i
 driver calls it on all ranks concurrently (:class:`~megatron_rl.orchestration.trainer_group.TrainerGroup`)
 with each rank's data-parallel shard of the batch.
 
-Weight sync: rank 0 holds a :class:`~megatron_rl.rollout.balancer.RemoteEngine` over the engine
-servers and drives :class:`~megatron_rl.rollout.weight_sync.WeightSync`; the other ranks join its
+Weight sync: rank 0 holds a :class:`~megatron_rl.rollout.client.balancer.RemoteEngine` over the engine
+servers and drives :class:`~megatron_rl.weights.sync.WeightSync`; the other ranks join its
 gathers (with the ``ipc`` transport of colocated engines every rank beside an engine sends its own copy).
 Results that are identical on every rank come back from rank 0 only (less Ray traffic).
 
@@ -24,11 +24,23 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron_rl.models.config import ModelConfig, torch_dtype
-from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.parallel import ParallelLayout
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
+import ray
+import torch
+import torch.distributed as dist
+
+from megatron_rl import parallel
+from megatron_rl.config.rollout import WeightSyncConfig
 from megatron_rl.config.train import OptimConfig, TrainConfig
+from megatron_rl.models.config import ModelConfig, torch_dtype
+from megatron_rl.models.weights import save_hf_checkpoint
+from megatron_rl.objectives import ObjectiveConfig
+from megatron_rl.orchestration.failures import identity
+from megatron_rl.orchestration.trainer_weights import TrainerWeights
+from megatron_rl.parallel import ParallelLayout
+from megatron_rl.profiling import Capture
+from megatron_rl.training import PolicyTrainer
+from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.training.offload import TrainerOffload, memory_snapshot, reset_peak
 
 
 @dataclass
@@ -53,10 +65,9 @@ def _quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
-class TrainerWorker:
+class TrainerWorker(TrainerWeights):
     def __init__(self, rank: int, world_size: int, spec: TrainerSpec):
         _quiet_warnings()
-        import torch
 
         torch.set_num_threads(spec.threads)
         self.rank, self.world_size, self.spec = rank, world_size, spec
@@ -74,18 +85,11 @@ class TrainerWorker:
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
         """(this node's IP, the port of the rendezvous store it now hosts); called on rank 0 only."""
-        import ray
-
-        from megatron_rl import parallel
-
         ip = ray.util.get_node_ip_address()
         self._store = parallel.rendezvous_store(ip, 0, self.world_size, is_master=True)
         return ip, self._store.port
 
     def setup(self, master_addr: str, master_port: int) -> Dict[str, int]:
-        from megatron_rl import parallel
-        from megatron_rl.training import PolicyTrainer
-
         spec = self.spec
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
@@ -98,9 +102,6 @@ class TrainerWorker:
         if spec.ref_logprobs_model is not None:
             plain = dataclasses.replace(spec.train, reference_model=None, objective=ObjectiveConfig())
             self.ref = PolicyTrainer(spec.ref_logprobs_model, plain, groups)
-        import torch.distributed as dist
-
-        from megatron_rl.orchestration.failures import identity
 
         info = dict(rank=self.rank, dp_rank=groups.dp_rank, tp_rank=groups.tp_rank, pp_rank=groups.pp_rank,
                     cp_rank=groups.cp_rank, dp=dist.get_world_size(groups.dp),
@@ -141,15 +142,11 @@ class TrainerWorker:
     # ---- colocated memory ------------------------------------------------------------------------------
     def device_ids(self) -> Tuple[str, List[str]]:
         """(Ray node id, the GPU ids Ray gave this rank): where a colocated engine's TP rank must run."""
-        import ray
-
         return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
 
     def offload(self) -> Dict[str, float]:
         """Optimizer state and gradient buffers to host memory; the memory resident now (``memory/sync/``)
         and the peak since :meth:`reload` (``memory/train/gpu_peak_allocated_gib``)."""
-        from megatron_rl.training.offload import TrainerOffload, memory_snapshot
-
         if self.offloader is None:
             self.offloader = TrainerOffload(self.trainer.ddp, self.trainer.optimizer, self.trainer.module)
         peak = memory_snapshot("").get("gpu_peak_allocated_gib")
@@ -162,8 +159,6 @@ class TrainerWorker:
 
     def reload(self) -> Dict[str, float]:
         """Back from host memory (engines have released theirs); the memory resident now (``memory/train/``)."""
-        from megatron_rl.training.offload import memory_snapshot, reset_peak
-
         if self.offloader is not None:
             self.offloader.reload()
         reset_peak()
@@ -172,8 +167,6 @@ class TrainerWorker:
         return out
 
     def memory(self, prefix: str) -> Dict[str, float]:
-        from megatron_rl.training.offload import memory_snapshot
-
         return memory_snapshot(prefix)
 
     def _require_loaded(self, what: str) -> None:
@@ -183,138 +176,26 @@ class TrainerWorker:
 
     # ---- profiling -----------------------------------------------------------------------------------
     def start_profile(self, path: str, record_shapes: bool = False, with_stack: bool = False) -> None:
-        from megatron_rl.profiling import Capture
-
         self.capture = self.capture or Capture()
         self.capture.start(path, record_shapes, with_stack)
 
     def stop_profile(self) -> Optional[str]:
         return None if self.capture is None else self.capture.stop()
 
-    # ---- weights ------------------------------------------------------------------------------------
-    def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0,
-                        pause_mode: Optional[str] = None) -> None:
-        """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
-        hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport).
-        ``pause_mode="in_place"`` (partial rollouts): each sync holds the engines' running requests in place
-        around the update."""
-        from megatron_rl.rollout.weight_sync import WeightSync
-
-        self._transport = transport
-        self._group_timeout_s = timeout_s
-        self._ipc = None
-        if transport == "ipc":
-            from megatron_rl.rollout.ipc_transport import IpcTransport
-
-            self._ipc = IpcTransport(urls, timeout_s=timeout_s)  # collective: every rank
-        if self.rank == 0:
-            from megatron_rl.rollout.balancer import RemoteEngine
-            from megatron_rl.rollout.http_client import SGLangClient
-
-            layout = None
-            if self.spec.weight_sync.replay_routing:  # the probe check asks the engines for their routing
-                from megatron_rl.routing.align import expert_layout
-
-                layout = expert_layout(self.trainer.built.arch)
-            clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
-            self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport, pause_mode=pause_mode)
-            self._init_weight_group(self.engine)
-        self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync, transport=self._ipc)
-        if self.rank == 0:
-            self.sync.progress = self.reporter
-
-    def _init_weight_group(self, engine) -> None:
-        """The distributed transport's weight group over ``engine``'s servers, hosted here (rank 0)."""
-        if engine.weight_transport != "distributed":
-            return
-        import ray
-
-        from megatron_rl.parallel import default_backend
-
-        engine.init_weight_sync(ray.util.get_node_ip_address(), 0, backend=self.spec.backend or default_backend(),
-                                timeout_s=self._group_timeout_s)
-
-    def _on_rank0(self, fn) -> None:
-        """Collective: run ``fn`` on rank 0 and raise on every rank if it failed (no rank left in a later gather)."""
-        import torch.distributed as dist
-
-        from megatron_rl.rollout.weight_sync import WeightSyncError
-
-        error = None
-        if self.rank == 0:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
-                error = e
-        box = [None if error is None else f"{type(error).__name__}: {error}"]
-        if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
-        if error is not None:
-            raise error
-        if box[0] is not None:
-            raise WeightSyncError(f"weight sync set-up failed on rank 0: {box[0]}")
-
-    def sync_weights(self, version: Any, check: Optional[bool] = None):
-        if self._regroup:  # a restarted server is not in the weight group, or a failed broadcast broke it
-            self._on_rank0(lambda: self._init_weight_group(self.engine))
-            self._regroup = False
-        try:
-            stats = self.sync.sync(version, check=check)
-        except Exception:
-            self._regroup = self._transport == "distributed"
-            raise
-        return stats if self.rank == 0 else None
-
-    def sync_engine(self, index: int, url: str, version: Any):
-        """Collective: engine ``index`` was restarted at ``url``; give that server alone the current weights (and the
-        probe check, if configured). The full weight group, if any, lacks the new server: it is rebuilt at the next
-        :meth:`sync_weights`."""
-        from megatron_rl.rollout.weight_sync import WeightSync
-
-        self._regroup = self._transport == "distributed"
-        engines = []
-
-        def connect():
-            self.engine.replace_server(index, url)
-            engines.append(self.engine.subset([index]))
-            self._init_weight_group(engines[0])
-
-        try:
-            self._on_rank0(connect)
-            config = dataclasses.replace(self.spec.weight_sync, progress=False)
-            stats = WeightSync(self.trainer.built, engines[0] if engines else None, config).sync(version)
-        finally:
-            for engine in engines:
-                engine.close_weight_sync()
-                engine.shutdown()
-        return stats if self.rank == 0 else None
-
-    def check_weights(self, what: str = "(start-up: engines loaded from the checkpoint the trainer loaded)"):
-        check = self.sync.check(what=what)
-        return check if self.rank == 0 else None
-
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, ckpt_cfg, extra: Dict[str, Any], step: int) -> str:
-        from megatron_rl.training.checkpoint import save_checkpoint
-
         self._require_loaded("save_checkpoint")
         return save_checkpoint(self.trainer, ckpt_cfg, extra, step=step)
 
     def load_checkpoint(self, root: str, step: Optional[int] = None):
-        from megatron_rl.training.checkpoint import load_checkpoint
-
         self._require_loaded("load_checkpoint")
         result = load_checkpoint(self.trainer, root, step)
         return result if self.rank == 0 else None
 
     def save_hf(self, path: str) -> None:
-        from megatron_rl.models.weights import save_hf_checkpoint
-
         save_hf_checkpoint(self.trainer.built, path)
 
     def shutdown(self) -> None:
-        from megatron_rl import parallel
-
         if self.engine is not None:
             self.engine.shutdown()
         parallel.destroy()

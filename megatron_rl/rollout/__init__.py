@@ -1,27 +1,20 @@
 """Rollout engines: generate samples with exact log-probs (and MoE routing) for the trainer.
 
-Tour:
-  protocol.py      typed records (SamplingParams, GenerateRequest, Sample) and the RolloutEngine ABC;
-                   which distribution the log-probs are under
-  sampling.py      SGLang-semantics top-k/top-p/min-p sampling, raw/processed log-probs, per-sample RNG
-  embedded.py      EmbeddedEngine: a transformers model sampled in-process (CPU tests, small runs)
-  routing.py       forward hooks recording each MoE router's top-k expert ids
-  hf_weights.py    copy HF-named tensors (incl. per-expert names into fused experts) into a live model
-  wire.py          SGLang's /generate JSON <-> typed records; tensor bucket serialisation
-  server.py        HTTP server with SGLang's native endpoints over an EmbeddedEngine
-  http_client.py   client for SGLang / the embedded server: retries, backoff, restart policy
-  balancer.py      RemoteEngine: a RolloutEngine over one or more servers (round-robin / least-outstanding)
-  weight_group.py  the torch.distributed group that broadcasts weights trainer -> engines
-  tensor_payload.py SGLang's /update_weights_from_tensor payloads: tensors by handle (CUDA IPC / shm files)
-  ipc_transport.py IpcTransport: colocated engines get each trainer rank's own copy, gathered per engine
-  weight_sync.py   WeightSync: Megatron shards -> engine in size-bounded HF-named buckets, then a probe
-                   log-prob check (engine vs trainer) that catches garbled weights
-  process.py       a managed server subprocess: launch, wait for /health, log tail, restart
-  sglang.py        launch SGLang (GPU) from a typed config (pinned version)
+Two sub-packages, one per side of SGLang's HTTP API:
+  client/     what talks to an engine: the typed records and the RolloutEngine ABC, SGLang's wire format,
+              the HTTP client, the balancer over servers, the server launcher, weight versions, the colocated
+              IPC transport. Imports nothing from ``embedded/``.
+  embedded/   our in-process engine and its SGLang-compatible stand-in server (CPU tests, small runs).
 
-Heavy optional imports (``sglang``) happen lazily inside ``sglang.py`` only.
+Trainer -> engine weight transport (the group, per-rank links, tensor payloads, the sync and its probe) is
+``megatron_rl.weights``.
 """
 
-from megatron_rl.rollout.protocol import (  # noqa: F401
-    LOGPROB_MODES, EngineHealth, GenerateRequest, RolloutEngine, Sample, SamplingParams,
+from megatron_rl.rollout.client.protocol import (  # noqa: F401
+    LOGPROB_MODES,
+    EngineHealth,
+    GenerateRequest,
+    RolloutEngine,
+    Sample,
+    SamplingParams,
 )

@@ -4,9 +4,9 @@ feed routing-aware masking.
   align.py      engine samples -> ``TrainBatch.routed_experts`` / ``route_checksums``, with checks
   agreement.py  per-layer agreement, per-token disagreement, log-prob mismatch sums
   config.py     RoutingDiagnosticsConfig (``TrainConfig.routing_diagnostics``)
-  trainer.py    the PolicyTrainer's glue: replay contexts for every pass, metrics, the mask's input
 
-The replay mechanics (forcing Megatron's routers, recompute, sequence parallelism) live in
+The PolicyTrainer's glue (replay contexts for every pass, metrics, the mask's input) is
+:mod:`megatron_rl.training.routing`. The replay mechanics (forcing Megatron's routers, recompute, sequence parallelism) live in
 :mod:`megatron_rl.models.router`; the mask in :mod:`megatron_rl.objectives.routing_mask`.
 """
 

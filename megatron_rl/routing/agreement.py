@@ -53,11 +53,14 @@ class AgreementTracker:
     ``routed_experts``.
     """
 
-    def __init__(self, batch_size: int, response_width: int, moe_layers: Sequence[int]) -> None:
+    def __init__(self, batch_size: int, response_width: int, moe_layers: Sequence[int],
+                 device: Optional[torch.device] = None) -> None:
         self.moe_layers = list(moe_layers)
         self._index = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self.tokens = torch.zeros(2, batch_size, response_width, dtype=torch.float64)  # [differing, compared]
-        self.layers = torch.zeros(len(self.moe_layers), 2, dtype=torch.float64)  # [agreeing, compared]
+        # counts live where the micro-batches are (the trainer's device): no copy per micro-batch and layer
+        kw = dict(dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(2, batch_size, response_width, **kw)  # [differing, compared]
+        self.layers = torch.zeros(len(self.moe_layers), 2, **kw)  # [agreeing, compared]
 
     def add(self, mb, own: Dict[int, Tensor]) -> None:
         """One micro-batch: ``own`` = ``{global layer: [s*b, topk]}`` trainer ids (sequence-major)."""
@@ -67,7 +70,7 @@ class AgreementTracker:
         r = mb.logit_index.shape[1]
         for layer, ids in own.items():
             i = self._index[layer]
-            mine = tokens_to_batch_major(ids.detach().cpu(), b)  # [b, s, k]
+            mine = tokens_to_batch_major(ids.detach(), b)  # [b, s, k]
             theirs = mb.routed_experts[:, :, i]
             if mine.shape != theirs.shape:
                 raise ValueError(f"routing agreement, layer {layer}: trainer ids {tuple(mine.shape)} vs engine ids "
@@ -107,7 +110,7 @@ class AgreementTracker:
         disagreement = None
         if tokens:
             reduce_sum(self.tokens, groups.pp, groups.cp)
-            disagreement = (self.tokens[0] / self.tokens[1].clamp(min=1)).float()
+            disagreement = (self.tokens[0] / self.tokens[1].clamp(min=1)).float().cpu()  # for the driver
         return disagreement, metrics
 
 

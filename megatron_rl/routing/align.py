@@ -2,7 +2,7 @@
 
 The engine returns, per sample, ``prompt_routed_experts [P, L, topk]`` and ``routed_experts [R, L,
 topk]`` (row ``t`` = the routing computed at the position holding token ``t`` as input, ``L`` = the
-sparse-MoE layers in model order; ``megatron_rl.rollout.protocol.Sample``). The trainer wants
+sparse-MoE layers in model order; ``megatron_rl.rollout.client.protocol.Sample``). The trainer wants
 ``TrainBatch.routed_experts [B, S, num_moe_layers, topk]`` over prompt + response positions, plus
 ``TrainBatch.route_checksums [B]``: a checksum of the token ids the routes were recorded for, which the
 trainer recomputes from each micro-batch's tokens before replaying (a shuffled or mis-split batch then
@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from megatron_rl.models.router import FREE, check_expert_ids
+from megatron_rl.rollout.client.protocol import ExpertLayout
 
 Tensor = torch.Tensor
 _P = (1 << 31) - 1  # checksum modulus (a Mersenne prime); products stay inside int64
@@ -52,10 +53,8 @@ class RoutingLayout:
 
 
 def expert_layout(arch):
-    """The engines' view of an MoE model (:class:`~megatron_rl.rollout.protocol.ExpertLayout`): which decoder
+    """The engines' view of an MoE model (:class:`~megatron_rl.rollout.client.protocol.ExpertLayout`): which decoder
     layers route (SGLang's routed-experts rows cover every layer) and how many experts per token."""
-    from megatron_rl.rollout.protocol import ExpertLayout
-
     return ExpertLayout(tuple(bool(m) for m in arch.moe_layers), arch.moe_topk)
 
 

@@ -8,7 +8,7 @@ tensors, with every per-token quantity aligned to *response* positions: column `
 
 How the sequences of a batch become micro-batches (padded or packed, split over context-parallel
 ranks) is :mod:`megatron_rl.training.micro_batch`; which sequences share one (a fixed count, or a token
-budget balanced over data-parallel ranks) is :mod:`megatron_rl.training.schedule`.
+budget balanced over data-parallel ranks) is :mod:`megatron_rl.training.token_budget`.
 """
 
 from __future__ import annotations

@@ -57,10 +57,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_rl.training import checkpoint_integrity as integrity
-from megatron_rl.training.checkpoint_integrity import (CheckpointCorruptError, CheckpointMismatchError,
-                                                       CheckpointSpaceError)
+from megatron_rl.training.checkpoint_integrity import (
+    CheckpointCorruptError, CheckpointMismatchError, CheckpointSpaceError,
+)
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -138,8 +141,6 @@ def _optimizer_metadata(cfg_format: str) -> Dict[str, Any]:
 
 
 def _rng_state() -> Dict[str, Any]:
-    from megatron.core import tensor_parallel
-
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -150,8 +151,6 @@ def _rng_state() -> Dict[str, Any]:
 
 
 def _set_rng_state(state: Dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -161,8 +160,6 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _rng_object(state: Optional[Dict[str, Any]]):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     # One object per global rank; loadable only by the same world (checked before loading).
     return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
@@ -331,8 +328,6 @@ def save_checkpoint(trainer, cfg: CheckpointConfig, extra: Optional[Dict[str, An
     RL driver passes its own step, which also counts steps that had nothing to train on). Raises
     :class:`CheckpointSpaceError` on every rank when the disk is (or becomes) too full.
     """
-    from megatron.core import dist_checkpointing
-
     root, name = os.path.abspath(cfg.root), iter_name(trainer.step if step is None else step)
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
     rank0 = dist.get_rank() == 0
@@ -433,8 +428,6 @@ def load_checkpoint(trainer, root: str, step: Optional[int] = None, *, load_opti
     :class:`CheckpointCorruptError`. The checkpoint may come from another TP/PP/EP layout (see the module
     docstring for what reshards), not from another model shape.
     """
-    from megatron.core import dist_checkpointing
-
     path, common, skipped = _intact_checkpoint(root, step)
     saved = common["trainer"]
     if saved.get("format_version") != FORMAT_VERSION:

@@ -20,6 +20,7 @@ import zlib
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 * 2**20
@@ -206,8 +207,6 @@ def _agreed(problem: Optional[str]) -> Optional[str]:
 def verify_collective(path: str) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     """``(problem, common state)`` of one checkpoint, the same on every rank (collective): the manifest's
     files checked (each rank a share), then the common state read."""
-    from megatron.core import dist_checkpointing
-
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         expected = read_manifest(path)

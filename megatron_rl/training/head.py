@@ -20,9 +20,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from megatron_rl.ops import (VocabStats, vocab_parallel_kl, vocab_parallel_linear_kl, vocab_parallel_linear_stats,
-                             vocab_parallel_stats)
+from megatron_rl.ops import (
+    VocabStats, vocab_parallel_kl, vocab_parallel_linear_kl, vocab_parallel_linear_stats, vocab_parallel_stats,
+)
 
 Tensor = torch.Tensor
 
@@ -64,8 +66,6 @@ class _SumGradOverTP(torch.autograd.Function):
 
 
 def _emit_input(layer, input_, weight=None, runtime_gather_output=None):
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
     if layer.sequence_parallel:
         return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
                                                     group=layer.tp_group), None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
+from megatron_rl.models.packed_attention import zigzag_stream_columns
 from megatron_rl.objectives.records import BatchTokens, batch_tokens
 from megatron_rl.objectives.reduce import zigzag_split
 
@@ -190,7 +191,7 @@ def _micro_batch(batch: "TrainBatch", rows: Tensor, length: int, packed: bool, c
     mask = batch.response_mask[rows, :r]
     if cp_size > 1:  # keep this rank's zigzag columns; re-index the response tokens into them
         if packed:
-            cols = torch.cat([int(a) + _zigzag(int(s), cp_size, cp_rank) for a, s in zip(seg_starts, segments)])
+            cols = zigzag_stream_columns(seg_starts, segments, cp_size, cp_rank)  # vectorised over segments
         else:
             cols = _zigzag(length, cp_size, cp_rank)
         to_local = torch.full((length,), -1, dtype=torch.long)

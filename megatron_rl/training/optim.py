@@ -6,11 +6,14 @@ include the loss, taken on the last pipeline stage, and is made identically on e
 all-reduce. A skipped step never reaches ``step_with_ready_grads``: parameters and optimizer state
 (moments, step counts) stay bitwise unchanged.
 
-Finite gradients can still give non-finite weights (an absurd learning rate, an overflowing moment). The
-weights are checked after every step (one all-reduce); with ``optim.nonfinite_weights="rollback"`` the step
-is undone from a host-memory copy of everything it writes (model and main parameters, Adam moments and
-counters: ~4x the parameters' bytes), so it counts as skipped exactly like a non-finite gradient; with
-``"stop"`` (no copy) the run stops with an error instead.
+Finite gradients can still give non-finite weights (an absurd learning rate or decay). Before the step,
+:mod:`megatron_rl.training.nan_guard` bounds the weights Adam can produce from ``max|w|`` (one fused
+reduction on the verdict's all-reduce, whatever the gradients): when the bound is far below overflow, as
+in any sane run, the step is taken with no copy and no check. Otherwise the weights are checked after the
+step (one all-reduce); with ``optim.nonfinite_weights="rollback"`` the step is undone from a host-memory
+copy of everything it writes (model and main parameters, Adam moments and counters: ~4x the parameters'
+bytes), so it counts as skipped exactly like a non-finite gradient; with ``"stop"`` (no copy) the run
+stops with an error instead.
 """
 
 from __future__ import annotations
@@ -20,15 +23,15 @@ from typing import Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 
 from megatron_rl.config.train import OptimConfig
+from megatron_rl.training import fused_optim, nan_guard
 
 
 def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):
     """Wrap ``module`` (this rank's GPTModel stage) in Megatron DDP and build the Megatron optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         grad_reduce_in_fp32=True,  # bf16 models still accumulate and reduce gradients in fp32
@@ -52,6 +55,7 @@ def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):
         params_dtype=tconfig.params_dtype,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=not torch.cuda.is_available())
+    fused_optim.install(optimizer)  # no per-tensor loops and host syncs without TE / Apex
     if tconfig.fp16:
         tconfig.grad_scale_func = optimizer.scale_loss  # dynamic loss scaling of the fp16 optimizer
     return ddp, optimizer
@@ -62,15 +66,14 @@ def _leaf_optimizers(optimizer):
 
 
 def _clip(optimizer, max_norm: float, total_norm: float) -> None:
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     for opt in _leaf_optimizers(optimizer):
         if getattr(opt, "is_stub_optimizer", False):
             continue
         params = opt.get_parameters()
         if params:
-            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            # looked up at call time: the CPU compatibility layer wraps it (compat.py)
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
+                                                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 class _Snapshot:
@@ -127,18 +130,27 @@ def guarded_step(optimizer, clip_grad: float, loss_is_finite: bool, params: Iter
     """
     found_inf = optimizer.prepare_grads()  # fp16: unscales, checks for inf; fp32: grads into place
     grad_norm = float(optimizer.get_grad_norm())
-    bad = torch.tensor([0.0 if loss_is_finite else 1.0, float(found_inf), 0.0 if math.isfinite(grad_norm) else 1.0])
+    params = list(params)
+    # max|w| rides on the verdict's all-reduce: no extra collective or host sync for the weight bound
+    bad = torch.stack([torch.tensor(0.0 if loss_is_finite else 1.0, dtype=torch.float64),
+                       torch.tensor(float(found_inf), dtype=torch.float64),
+                       torch.tensor(0.0 if math.isfinite(grad_norm) else 1.0, dtype=torch.float64),
+                       nan_guard.max_abs_weight(optimizer).cpu() if params else torch.zeros((), dtype=torch.float64)])
     if dist.get_backend() == "nccl":
         bad = bad.cuda()
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if bool(bad.any()):
+    verdict = bad.tolist()
+    if any(verdict[:3]):
         return False, grad_norm, False
     if clip_grad > 0:
         _clip(optimizer, clip_grad, grad_norm)
-    params = list(params)
-    snapshot = _Snapshot(optimizer, params) if rollback and params else None
+    if not params or nan_guard.step_cannot_overflow(optimizer, verdict[3], params):
+        # the bound proves the step keeps every weight finite: no copy, no check after it
+        optimizer.step_with_ready_grads()
+        return True, grad_norm, False
+    snapshot = _Snapshot(optimizer, params) if rollback else None
     optimizer.step_with_ready_grads()
-    if not params or _all_finite(params):
+    if _all_finite(params):
         return True, grad_norm, False
     if snapshot is None:
         raise FloatingPointError(

@@ -8,7 +8,7 @@ stage (an empty list elsewhere).
 Megatron's schedule treats the loss like this (``forward_step_calc_loss``, two-value loss functions):
 ``loss * cp_size / num_microbatches`` is back-propagated, and DDP then multiplies the summed gradient
 by ``1 / (dp * cp)``. The train step compensates with its own factor (see
-:mod:`megatron_rl.training.engine`); this module does not scale anything.
+:mod:`megatron_rl.training.trainer`); this module does not scale anything.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_rl.parallel import device
 from megatron_rl.training.batch import MicroBatch
 
 Tensor = torch.Tensor
@@ -34,8 +37,6 @@ def run_micro_batches(model, micro_batches: Sequence[MicroBatch], loss_fn: LossF
     Gradients accumulate into the DDP buffers; ``finalize_model_grads`` (set on the model config) runs
     once at the end of a backward schedule.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     items = iter(enumerate(micro_batches))
 
     def forward_step(data_iterator, stage):
@@ -74,8 +75,6 @@ def packed_seq_params(mb: MicroBatch):
     which Megatron's RoPE and our core attention read and Transformer Engine uses to skip the padding."""
     if not mb.packed:
         return None
-    from megatron_rl.parallel import device
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     dev = device()
     cu, cu_padded = mb.cu_seqlens.to(dev), mb.cu_seqlens_padded.to(dev)

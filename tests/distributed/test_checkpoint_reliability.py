@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import train_helpers  # noqa: F401  (warning filters for the ranks)
 

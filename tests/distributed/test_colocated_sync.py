@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import model_helpers  # noqa: F401  (its warning filters quiet known Megatron noise in the ranks)
 
@@ -37,10 +37,10 @@ def _ipc_child(path, tp2_url, tp1_urls):
     from megatron_rl.models import mapping
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.rollout.balancer import RemoteEngine
-    from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
-    from megatron_rl.rollout.ipc_transport import IpcTransport
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_rl.rollout.client.balancer import RemoteEngine
+    from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+    from megatron_rl.rollout.client.ipc_transport import IpcTransport
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig
 
     rank = dist.get_rank()
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout())  # DP=2
@@ -93,8 +93,8 @@ def _ipc_child(path, tp2_url, tp1_urls):
 @pytest.mark.timeout(300)
 def test_ipc_transport_into_sglang_format_servers(tmp_path):
     """The servers run in this (the parent) process: another process than every payload's producer."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.rollout.server import EmbeddedServer
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
 
     path = tiny_hf_checkpoint(str(tmp_path / "qwen3"), "qwen3")
     servers = [EmbeddedServer(EmbeddedEngine.from_pretrained(path), tp_size=tp).start() for tp in (2, 1, 1)]

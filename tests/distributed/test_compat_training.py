@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import model_helpers  # noqa: F401  (warning filters for the ranks)
 

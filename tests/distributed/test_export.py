@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 from model_helpers import hf_logits, make_inputs
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 from model_helpers import export_mismatches, forward_logits, hf_logits, hf_tensors, make_inputs
 
@@ -80,6 +80,8 @@ def _check_saved(save_root, refs, layouts):
             assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
             assert sorted(hf_tensors(out)) == sorted(ref_tensors)
             assert torch.equal(hf_logits(out, ids), ref_logits), f"{out}: reloaded logits differ"
+            modes = {fn: oct(os.stat(os.path.join(out, fn)).st_mode & 0o777) for fn in os.listdir(out)}
+            assert len(set(modes.values())) == 1, f"{out}: shards and siblings differ in mode: {modes}"
 
 
 def _check(results, expected_padded):

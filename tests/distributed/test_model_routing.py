@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 from model_helpers import hf_model, make_inputs
 

@@ -17,8 +17,8 @@ from megatron_rl.objectives import (
     ReduceGroups, future_kl_cost_to_go, rl_loss, select_tokens, step_normalizer,
 )
 from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response_length, zigzag_split
-from megatron_rl.schedules import LRSchedule, LRScheduleConfig
-from megatron_rl.testing import run_distributed
+from megatron_rl.lr_schedules import LRSchedule, LRScheduleConfig
+from multiproc import run_distributed
 from objectives_fixtures import CONFIGS, GRAD_FIELDS, make_inputs, random_batch, rows
 
 WORLD = 2

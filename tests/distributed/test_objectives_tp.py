@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.objectives import DVPConfig, exact_rollout_kl, pruned_token_stats
-from megatron_rl.testing import run_distributed
+from multiproc import run_distributed
 from dvp_reference import ref_pruned
 from ops_reference import pad_vocab, ref_kl
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_rl.ops import (vocab_parallel_kl, vocab_parallel_linear_kl, vocab_parallel_linear_stats,
                              vocab_parallel_stats)
-from megatron_rl.testing import run_distributed
+from multiproc import run_distributed
 from ops_reference import ref_kl, ref_stats
 
 VOCAB, ROWS, HID, REF_HID = 197, 40, 12, 9

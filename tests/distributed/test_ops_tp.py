@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.ops import vocab_parallel_kl, vocab_parallel_stats
-from megatron_rl.testing import run_distributed
+from multiproc import run_distributed
 from ops_reference import pad_vocab, ref_kl, ref_stats
 
 VOCAB = 197

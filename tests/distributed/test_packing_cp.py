@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import train_helpers  # noqa: F401  (warning filters for the ranks)
 
@@ -232,8 +232,8 @@ def _probe_child(dense, moe):
     from megatron_rl import parallel
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.rollout.weight_sync import (WeightSync, WeightSyncConfig, probe_length, probe_tokens,
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+    from megatron_rl.weights.sync import (WeightSync, WeightSyncConfig, probe_length, probe_tokens,
                                                  trainer_probe_logprobs)
 
     out = {}

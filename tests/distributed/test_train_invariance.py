@@ -5,7 +5,7 @@ micro-batches), TP=2 (+ sequence parallelism), PP=2 (1F1B, variable-length micro
 Qwen3-MoE, EP=2 (with and without routing replay) — and all of them equal **plain autograd on the
 unsplit batch** (one forward of the whole batch through an unwrapped GPTModel, ``rl_loss`` on every
 token, ``loss.backward()``). That is the check of the loss-scaling derivation in
-``megatron_rl/training/engine.py``: Megatron's 1/M and DDP's 1/(dp·cp) are compensated exactly.
+``megatron_rl/training/trainer.py``: Megatron's 1/M and DDP's 1/(dp·cp) are compensated exactly.
 The second step's loss (after an Adam step, distributed optimizer included) agrees too.
 
 Tolerances (fp32, measured): loss and grad norm ≤ 3e-7 relative; per-tensor max |Δgrad| ≤ 2.4e-6 of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import train_helpers  # noqa: F401  (warning filters for the ranks)
 

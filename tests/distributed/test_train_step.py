@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import train_helpers  # noqa: F401  (warning filters for the ranks)
 
@@ -43,7 +43,7 @@ def _skip_child(path):
     import train_helpers as th
     from megatron_rl import parallel
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.schedules import LRScheduleConfig
+    from megatron_rl.lr_schedules import LRScheduleConfig
     from megatron_rl.training import OptimConfig, PolicyTrainer, TrainConfig
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(pp=2))

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.testing import run_distributed, tiny_hf_checkpoint
+from multiproc import run_distributed, tiny_hf_checkpoint
 
 import model_helpers  # noqa: F401  (its warning filters quiet known Megatron noise in the ranks)
 
@@ -42,7 +42,7 @@ def _build(path, layout_kw, **engine_kw):
     from megatron_rl import parallel
     from megatron_rl.models.build import build_model
     from megatron_rl.models.config import ModelConfig
-    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
 
     groups = parallel.init_megatron_parallel(parallel.ParallelLayout(**layout_kw))
     built = build_model(ModelConfig(hf_path=path), groups)
@@ -52,7 +52,7 @@ def _build(path, layout_kw, **engine_kw):
 
 def _mismatch(fn):
     """Run ``fn``; return the WeightMismatchError's message (None if it passed)."""
-    from megatron_rl.rollout.weight_sync import WeightMismatchError
+    from megatron_rl.weights.sync import WeightMismatchError
 
     try:
         fn()
@@ -71,7 +71,7 @@ def _layouts_child(cases):
 
     from megatron_rl.models import mapping
     from megatron_rl.models.weights import export_hf_state_dict
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig
 
     out = {}
     for name, path, layout_kw in cases:
@@ -165,11 +165,11 @@ def _rename(name, new):
 def _transports_child(path):
     import torch.distributed as dist
 
-    from megatron_rl.rollout.balancer import RemoteEngine
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
-    from megatron_rl.rollout.server import EmbeddedServer
-    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+    from megatron_rl.rollout.client.balancer import RemoteEngine
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+    from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
+    from megatron_rl.weights.sync import WeightSync, WeightSyncConfig, WeightSyncError
 
     sender = dist.get_rank() == 0
     built, local = _build(path, dict(tp=2))
@@ -193,7 +193,7 @@ def _transports_child(path):
         if sender:
             import os
 
-            from megatron_rl.rollout.process import launch_embedded_server
+            from megatron_rl.rollout.client.process import launch_embedded_server
 
             servers.append(launch_embedded_server(path, os.path.join(path, "server.log")))
             remote = RemoteEngine([SGLangClient(servers[-1].url)], weight_transport="distributed")

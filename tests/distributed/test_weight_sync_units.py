@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.weight_sync import (
+from megatron_rl.weights.sync import (
     WeightMismatchError, WeightSyncConfig, compare_logprobs, iter_buckets, probe_tokens,
 )
-from megatron_rl.testing import tiny_hf_checkpoint
+from multiproc import tiny_hf_checkpoint
 
 
 def _tensors(sizes):
@@ -94,7 +94,7 @@ def test_probe_ids_avoid_the_id_sglang_clips():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
 
     path = tiny_hf_checkpoint(str(tmp_path_factory.mktemp("ws") / "qwen3"), "qwen3")
     return EmbeddedEngine.from_pretrained(path)
@@ -115,9 +115,9 @@ def test_embedded_prompt_logprobs_are_teacher_forced(engine):
 def test_scoring_an_id_the_server_clips_fails_clearly(engine):
     """SGLang answers id V - 1 as 0 in input_token_logprobs; the client names the position instead of returning
     log-probs of other tokens (the embedded server clips as SGLang does)."""
-    from megatron_rl.rollout import wire
-    from megatron_rl.rollout.http_client import SGLangClient
-    from megatron_rl.rollout.server import EmbeddedServer
+    from megatron_rl.rollout.client import wire
+    from megatron_rl.rollout.client.http_client import SGLangClient
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
 
     last = engine.model.config.vocab_size - 1
     ids = [5, 17, last, 3]
@@ -135,9 +135,9 @@ def test_scoring_an_id_the_server_clips_fails_clearly(engine):
 
 
 def test_prompt_logprobs_over_http(engine):
-    from megatron_rl.rollout.balancer import RemoteEngine
-    from megatron_rl.rollout.http_client import SGLangClient
-    from megatron_rl.rollout.server import EmbeddedServer
+    from megatron_rl.rollout.client.balancer import RemoteEngine
+    from megatron_rl.rollout.client.http_client import SGLangClient
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
 
     server = EmbeddedServer(engine).start()
     try:

@@ -1,5 +1,6 @@
-"""The portable core attention on packed (THD) input: per-length batched SDPA and the block-diagonal mask
-both equal plain causal SDPA run on each sequence alone (outputs and input gradients, float64)."""
+"""The portable core attention on packed (THD) input: the one-call padded SDPA and the block-diagonal mask
+both equal plain causal SDPA run on each sequence alone (outputs and input gradients, float64), also on a
+context-parallel rank's zigzag share (the plan's indices, without processes)."""
 
 from types import SimpleNamespace
 
@@ -21,13 +22,13 @@ def _core():
     return core
 
 
-@pytest.mark.parametrize("impl", ["per_sequence", "block_diagonal"])
+@pytest.mark.parametrize("impl", ["auto", "padded", "per_length", "block_diagonal"])
 def test_packed_attention_equals_each_sequence_alone(impl, monkeypatch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     monkeypatch.setattr(attention, "PACKED_IMPL", impl)
     g = torch.Generator().manual_seed(0)
-    lengths = [5, 3, 5, 1, 7, 3]  # repeated lengths share one SDPA call
+    lengths = [5, 3, 5, 1, 7, 3]
     t, heads, groups = sum(lengths), 4, 2
     q = torch.randn(t, heads, 8, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(t, groups, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -47,6 +48,62 @@ def test_packed_attention_equals_each_sequence_alone(impl, monkeypatch):
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     expect = torch.autograd.grad((ref * w).sum(), (q, k, v))
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(grads, expect))
+
+
+def _per_sequence(q, k, v, bounds, scale):
+    """Plain causal SDPA on each sequence alone, concatenated: the reference."""
+    ref = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[a:b].permute(1, 0, 2)[None] for x in (q, k, v))
+        ref.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                  enable_gqa=True)[0].permute(1, 0, 2))
+    return torch.cat(ref)
+
+
+@pytest.mark.parametrize("impl", ["padded", "per_length", "block_diagonal"])
+@pytest.mark.parametrize("cp, rank", [(2, 0), (2, 1), (3, 2)])
+def test_packed_attention_on_a_cp_rank_equals_each_sequence_alone(impl, cp, rank):
+    """A CP rank's zigzag rows attend to the right keys of the all-gathered (rank-order) stream: values and
+    gradients equal the full per-sequence reference at that rank's positions."""
+    from megatron_rl.models import packed_attention as pa
+
+    g = torch.Generator().manual_seed(cp + rank)
+    lengths = torch.tensor([4, 12, 8, 4, 20]) * cp // 2  # multiples of 2*cp
+    bounds = [0] + torch.cumsum(lengths, 0).tolist()
+    t, heads, groups, hn = bounds[-1], 4, 2, 8
+    q = torch.randn(t, heads, hn, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(t, groups, hn, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(t, groups, hn, generator=g, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    starts = cu[:-1].long()
+    cols = [pa.zigzag_stream_columns(starts, lengths, cp, r) for r in range(cp)]
+    # the zigzag columns match Megatron's split of each sequence
+    from megatron_rl.objectives.reduce import zigzag_split
+    expect_cols = torch.cat([a + zigzag_split(torch.arange(int(n)), cp, rank) for a, n in zip(starts, lengths)])
+    assert torch.equal(cols[rank], expect_cols)
+    plan = pa.PackedPlan(cu, cp, rank, None, "cpu")
+    gathered = torch.cat(cols)  # rank order, as the all-gather delivers the ranks' local streams
+
+    def sdpa(q_, k_, v_, mask, causal, p):
+        return F.scaled_dot_product_attention(q_, k_, v_, mask, p, is_causal=causal, scale=hn ** -0.5, enable_gqa=True)
+
+    out = pa.packed_attention(impl, q[cols[rank]], k[gathered], v[gathered], plan, hn ** -0.5, 0.0, sdpa)
+    ref = _per_sequence(q, k, v, bounds, hn ** -0.5)[cols[rank]]
+    assert (out - ref).abs().max() < 1e-12
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    expect = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(grads, expect))
+
+
+def test_packed_impl_is_chosen_by_device():
+    from megatron_rl.models import packed_attention as pa
+
+    x = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    assert pa.choose_impl("auto", x, 1, 0.0) == "per_length"  # CPU: per distinct length, neighbour-independent
+    assert pa.choose_impl("block_diagonal", x, 1, 0.0) == "block_diagonal"
+    with pytest.raises(ValueError, match="PACKED_IMPL"):
+        pa.choose_impl("per_sequence", x, 1, 0.0)
 
 
 @pytest.mark.parametrize("cp, rank", [(1, 0), (2, 0), (2, 1), (3, 2)])

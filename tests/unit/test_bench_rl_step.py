@@ -21,8 +21,8 @@ def model_dir(tmp_path_factory):
 def test_eos_is_never_sampled_so_every_completion_is_full_length(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-    from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+    from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = bench.make_prompts(str(tmp_path / "p.jsonl"), n=4, length=6, vocab=256)

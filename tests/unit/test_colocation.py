@@ -13,13 +13,13 @@ from megatron_rl.config_io import ConfigError
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration.colocation import Colocation
 from megatron_rl.orchestration.placement import colocated_devices
-from megatron_rl.rollout import tensor_payload
-from megatron_rl.rollout.balancer import RemoteEngine
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.http_client import RequestRejected, RetryPolicy, SGLangClient
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.server import EmbeddedServer
-from megatron_rl.rollout.weight_sync import SyncStats, compare_logprobs, probe_tokens
+from megatron_rl.weights import tensor_payload
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.http_client import RequestRejected, RetryPolicy, SGLangClient
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.server import EmbeddedServer
+from megatron_rl.weights.sync import SyncStats, compare_logprobs, probe_tokens
 
 from rollout_models import VOCAB, other_weights, tiny_qwen3
 from run_helpers import REPO

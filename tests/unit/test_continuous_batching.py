@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 
 from rollout_models import recompute_logits, tiny_qwen3, tiny_qwen3_moe
 from test_rollout_routing import _full_routing
@@ -84,7 +84,7 @@ def test_routes_of_rows_that_joined_mid_batch():
 
 
 def test_a_request_arriving_during_a_long_generation_is_answered_before_it_ends():
-    from megatron_rl.rollout.generation_queue import GenerationQueue
+    from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 
     engine = EmbeddedEngine(tiny_qwen3(0, 1024))
     queue = GenerationQueue(engine)
@@ -107,7 +107,7 @@ def test_a_request_arriving_during_a_long_generation_is_answered_before_it_ends(
 def test_an_update_waits_for_the_running_rows_and_stops_new_ones_joining():
     """SGLang's writer-preferring model-update lock: a weight update (not paused) waits for the running batch to
     finish, rows queued meanwhile start after it, on the new version."""
-    from megatron_rl.rollout.generation_queue import GenerationQueue
+    from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 
     model = tiny_qwen3(0, 1024)
     engine = EmbeddedEngine(model, EmbeddedEngineConfig(max_batch_rows=1))
@@ -134,7 +134,7 @@ def test_an_update_waits_for_the_running_rows_and_stops_new_ones_joining():
 
 def test_scoring_runs_between_decode_steps_not_after_the_batch():
     """A weight-sync probe (prompt log-probs) is served between two decode steps of a running batch."""
-    from megatron_rl.rollout.generation_queue import GenerationQueue
+    from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 
     engine = EmbeddedEngine(tiny_qwen3(0, 1024))
     probe = list(range(1, 40))

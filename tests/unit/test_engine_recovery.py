@@ -16,12 +16,12 @@ import torch
 from megatron_rl.config import RecoveryConfig
 from megatron_rl.orchestration.engine_health import EngineMonitor, EngineRecoveryError
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
-from megatron_rl.rollout.balancer import RemoteEngine
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.sampling import derive_seed
-from megatron_rl.rollout.weight_sync import compare_logprobs
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.client.protocol import derive_seed
+from megatron_rl.weights.sync import compare_logprobs
 
 from fault_hooks import kill_plan
 from rollout_models import other_weights, tiny_qwen3
@@ -184,7 +184,7 @@ def test_single_server_requests_wait_for_the_restart_which_waits_for_the_hold(mo
 def test_a_restarted_server_failing_its_probe_stays_out_until_one_passes(model_dir, tmp_path, trained):
     """Re-admission is gated by the probe check: a restarted server whose probe fails (its weights are not the
     trainer's) is restarted again, never put back in rotation, and serves nothing until a probe passes."""
-    from megatron_rl.rollout.weight_sync import WeightMismatchError
+    from megatron_rl.weights.sync import WeightMismatchError
 
     with _watched(model_dir, tmp_path, trained, servers=2, max_restarts=3) as (workers, engine, monitor, trainer):
         failed = []
@@ -220,7 +220,7 @@ def test_server_errors_survive_pickling():
     """Ray sends a failed actor call's exception to the driver pickled (an unpicklable one: "Failed to deserialize")."""
     import pickle
 
-    from megatron_rl.rollout.http_client import RequestRejected, ServerUnavailableError
+    from megatron_rl.rollout.client.http_client import RequestRejected, ServerUnavailableError
 
     for cls in (ServerUnavailableError, RequestRejected):
         e = pickle.loads(pickle.dumps(cls("boom", "http://h:1", 400, {"a": 1})))

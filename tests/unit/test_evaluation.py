@@ -3,14 +3,13 @@ and the ``eval.data`` alias, and ``megatron-rl eval`` stand-alone on the tiny ta
 
 import itertools
 import json
-import math
 
 import pytest
 
 from megatron_rl.config import EvalConfig
 from megatron_rl.config_io import ConfigError, build
 from megatron_rl.data.config import DataConfig
-from megatron_rl.orchestration.eval_cli import evaluate, markdown_table, resolve
+from megatron_rl.orchestration.evaluate_model import evaluate, fit_context, markdown_table, resolve
 from megatron_rl.orchestration.evaluate import combine, group_metrics, k_values, pass_at_k
 
 from run_helpers import check_ok, quick_assets, run_cli
@@ -92,3 +91,18 @@ def test_eval_cli_writes_json(assets, tmp_path):
     res = json.loads(out.read_text())
     assert res["k"] == 2 and set(res["datasets"]["eval"]) >= {"pass@1", "pass@2", "mean@2"}
     assert "| eval | 16 |" in proc.stdout
+
+
+def test_eval_fits_the_context_and_refuses_empty_data_cleanly(assets, tmp_path):
+    """The tiny models have 64 positions: prompts that leave no room for max_new_tokens are left out (said on
+    stderr when some are) rather than rejected by the engine mid-run; an empty file is a ConfigError (exit 2), no traceback."""
+    over = [f"eval.data.path={assets['eval.jsonl']}", "reward.kind=exact_match", "rollout.sampling.max_new_tokens=24"]
+    fitted = fit_context(resolve(assets["teacher"], over))
+    assert fitted["eval"].max_prompt_tokens == 64 - 24
+    with pytest.raises(ConfigError, match="max_new_tokens=64 leaves no room"):
+        fit_context(resolve(assets["teacher"], over + ["rollout.sampling.max_new_tokens=64"]))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="has no rows"):
+        evaluate(resolve(assets["teacher"], [f"eval.data.path={empty}", "reward.kind=exact_match",
+                                           "rollout.sampling.max_new_tokens=4"]), progress=False)

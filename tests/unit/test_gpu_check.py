@@ -23,7 +23,7 @@ def test_gpu_check_cpu_mode_runs_every_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert list(sections) == ["env", "head", "ops", "megatron_hf", "engine"]
+    assert list(sections) == ["env", "head", "ops", "megatron_hf", "trainer", "checkpoint", "sync", "engine", "rl_loop"]
     assert all(s["status"] == "ok" for s in sections.values()), {k: s["status"] for k, s in sections.items()}
     head = sections["head"]["result"]["methods"]
     expected = {"fused (torch rows)", "unfused ops", "megatron CE (log-prob only)"}
@@ -36,4 +36,14 @@ def test_gpu_check_cpu_mode_runs_every_section(tmp_path):
     assert head["megatron CE (log-prob only)"]["max_abs_logprob_diff_vs_unfused"] <= 1e-4  # -CE == log-prob
     assert sections["megatron_hf"]["result"]["max_abs_logit_diff"] <= 1e-4
     assert sections["engine"]["result"]["float32"]["max_abs_logprob_diff_generate_vs_recompute"] <= 1e-4
+    assert sections["engine"]["result"]["float32"]["same_seed_same_tokens"]
     assert "### engine: ok" in proc.stdout
+    # the framework's GPU paths, under the placement guard in this mode (tools/gpu_check_paths.py)
+    trainer = sections["trainer"]["result"]
+    assert {"dense packed fused", "dense padded", "dense packed unfused head", "moe packed routing replay"} <= set(trainer)
+    for name in ("dense packed fused", "dense padded", "dense packed unfused head", "moe packed routing replay"):
+        assert trainer[name]["loss_1"] != trainer[name]["loss_2"] and trainer[name]["logprobs_on_host"], name
+    assert sections["checkpoint"]["result"]["max_rel_diff_loss_and_grad_norm"] == 0.0  # bitwise on CPU
+    assert sections["sync"]["result"]["float32"]["probe_max_abs_diff"] <= 1e-4
+    loop = sections["rl_loop"]["result"]
+    assert loop["steps"] >= 30 and loop["mean_reward_last5"] > loop["mean_reward_first5"]

@@ -7,7 +7,7 @@ from megatron_rl.objectives import (
     AggregationConfig, DenseKLConfig, DVPConfig, EntropyBonusConfig, KLPenaltyConfig, ObjectiveConfig,
     PolicyLossConfig, RejectionRule, RolloutCorrectionConfig, TRMConfig,
 )
-from megatron_rl.schedules import LRScheduleConfig
+from megatron_rl.lr_schedules import LRScheduleConfig
 
 BAD = [
     (lambda: PolicyLossConfig(loss="ppo"), "PolicyLossConfig.loss='ppo'"),

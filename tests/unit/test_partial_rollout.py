@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from megatron_rl.orchestration.batching import train_batch
-from megatron_rl.orchestration.rollout import Group
-from megatron_rl.rollout.balancer import RemoteEngine
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.http_client import RetryPolicy, SGLangClient
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.server import EmbeddedServer
-from megatron_rl.rollout.weight_versions import WeightVersionEvent, compute_spans, spans_to_meta
+from megatron_rl.orchestration.rollout_phase import Group
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.server import EmbeddedServer
+from megatron_rl.rollout.client.weight_versions import WeightVersionEvent, compute_spans, spans_to_meta
 from megatron_rl.training.batch import make_micro_batches
 
 from rollout_models import tiny_qwen3

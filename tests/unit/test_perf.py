@@ -1,6 +1,7 @@
 """Throughput / MFU figures (megatron_rl.perf) and the profiler capture (megatron_rl.profiling)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from megatron_rl import perf
 from megatron_rl.models.config import HFArch
 from megatron_rl.profiling import Capture, ProfileConfig
-from megatron_rl.testing import TINY_MODELS, _TINY_COMMON
+from multiproc import TINY_MODELS, _TINY_COMMON
 
 
 def _hf(model_type, **overrides):
@@ -54,16 +55,29 @@ def test_gpu_table_and_order_of_matching():
     assert perf.gpu_table_peak("Some Future GPU", torch.bfloat16) is None
 
 
-def test_cpu_peak_is_measured_once_per_process(monkeypatch):
+def test_cpu_peak_is_measured_once_per_process(monkeypatch, tmp_path):
     calls = []
     real = perf.measure_matmul_flops
-    monkeypatch.setattr(perf, "measure_matmul_flops", lambda *a, **k: calls.append(1) or real(*a, seconds=0.03))
+    monkeypatch.setattr(perf, "measure_matmul_flops", lambda *a, **k: calls.append(1) or real(*a[:2], seconds=0.03))
+    monkeypatch.setenv("MEGATRON_RL_PEAK_FILE", str(tmp_path / "peak.json"))  # no calibration
     perf._measured.cache_clear()
     first = perf.device_peak_flops(torch.float32, torch.device("cpu"))
     second = perf.device_peak_flops(torch.float32, torch.device("cpu"))
-    assert first["source"] == second["source"] == "measured" and len(calls) == 1
+    assert first["source"] == second["source"] and first["source"].startswith("measured") and len(calls) == 1
     assert second["peak_flops"] == first["peak_flops"] > 1e8  # any CPU does > 0.1 GFLOP/s
     perf._measured.cache_clear()
+
+
+def test_cpu_peak_from_the_calibration_file(monkeypatch, tmp_path):
+    """A calibration file gives the same reference to every run on this machine (a start-up measurement follows
+    the load); it is keyed by CPU, threads and dtype, so another thread count measures again."""
+    monkeypatch.setenv("MEGATRON_RL_PEAK_FILE", str(tmp_path / "sub" / "peak.json"))
+    r = perf.calibrate(torch.float32, seconds=0.05)
+    assert r["peak_flops"] > 1e8 and os.path.isfile(r["file"])
+    got = perf.device_peak_flops(torch.float32, torch.device("cpu"))
+    assert got["peak_flops"] == r["peak_flops"] and got["source"] == f"calibrated: {r['file']}"
+    assert perf.calibrated_peak(r["device"], torch.float64) is None
+    assert perf.calibrated_peak(r["device"] + "x", torch.float32) is None
 
 
 def test_step_metrics_definitions():

@@ -99,7 +99,7 @@ def test_weight_group_store_listens_on_its_host_only():
     import torch.distributed as dist
 
     from megatron_rl.parallel import _free_port
-    from megatron_rl.rollout import weight_group
+    from megatron_rl.weights import group as weight_group
 
     store = weight_group.host_store("127.0.0.1", 2, timeout_s=30)
     joined = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=store.timeout, multi_tenant=True)
@@ -213,6 +213,23 @@ def test_failed_start_leaves_the_output_directory_alone(tmp_path, monkeypatch):
         Run(cfg).__enter__()
     assert (out / "config.yaml").read_text() == "previous: run\n"
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_overwrite_removes_every_output_of_the_earlier_run(tmp_path):
+    """overwrite=true: no report/ or hf_final/ of the earlier run is left beside the new run's metrics."""
+    from megatron_rl.config import load_run_config
+    from megatron_rl.orchestration.run import Run
+
+    a = quick_assets(tmp_path / "assets")
+    out = tmp_path / "run"
+    for sub in ("report", "hf_final", "tensorboard", "checkpoints/iter_0000001", "hf"):
+        (out / sub).mkdir(parents=True)
+        (out / sub / "f").write_text("old")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    run = Run.__new__(Run)  # only the output-directory step, no workers
+    run.cfg = load_run_config(TINY_RECIPE, tiny_overrides(a, out, "overwrite=true"))
+    run._prepare_output_dir()
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "hf"]  # hf/: a user's export, kept
 
 
 def test_metrics_logger_reports_the_last_step_it_kept(tmp_path):

@@ -5,7 +5,6 @@ The tiny recipe's own report is rendered by tests/e2e/test_train_run.py."""
 import json
 import math
 
-import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.report import Metrics, render
@@ -45,6 +44,21 @@ def test_report_draws_every_panel(tmp_path):
         assert nontrivial(out / name), name
         assert f'src="{name}"' in html
     assert page.endswith("index.html") and "resolved config.yaml" in html and "gain/signal_to_slack" in html
+
+
+def test_coinciding_series_stay_visible_and_say_identical(tmp_path):
+    from megatron_rl.report import _Plotter
+
+    m = Metrics([{"step": s, "a": 1.0, "b": 1.0, "c": 0.5 + s, "d": 0.5 + s * 1.001} for s in range(1, 6)])
+    p = _Plotter(m, str(tmp_path))
+    fig, (ax,) = p.figure(1)
+    for key in ("a", "b", "c", "d"):
+        p.line(ax, key, key.upper())
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert sorted(lines) == ["A", "B (identical to A)", "C", "D (within 1% of C)"]
+    assert lines["B (identical to A)"].get_linestyle() == "--" and lines["A"].get_linestyle() == "-"
+    assert lines["B (identical to A)"].get_linewidth() > lines["A"].get_linewidth()
+    p.plt.close(fig)
 
 
 def test_report_skips_absent_panels_and_reports_errors(tmp_path, capsys):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError
-from megatron_rl.rollout.hf_weights import WeightUpdateError
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.sampling import processed_logprob_reference
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError
+from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.sampling import processed_logprob_reference
 
 from rollout_models import EOS, VOCAB, other_weights, recompute_logits, tiny_qwen3, tiny_qwen3_moe
 

@@ -14,10 +14,10 @@ from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.rewards import RewardConfig, RewardRunner
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.orchestration.batching import compute_step_advantages, token_rewards, train_batch
-from megatron_rl.orchestration.rollout import RolloutPhase, request_seed
+from megatron_rl.orchestration.rollout_phase import RolloutPhase, request_seed
 from megatron_rl.advantages import AdvantageConfig
 from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine
 
 from run_helpers import quick_assets
 

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from megatron_rl.rollout.http_client import RetryPolicy, ServerUnavailableError
-from megatron_rl.rollout.process import ServerLaunchError, launch_embedded_server
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.sglang import SGLANG_VERSION, SGLangServerConfig, check_sglang_installed, launch_sglang_server
+from megatron_rl.rollout.client.http_client import RetryPolicy, ServerUnavailableError
+from megatron_rl.rollout.client.process import ServerLaunchError, launch_embedded_server
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.client.sglang import SGLANG_VERSION, SGLangServerConfig, check_sglang_installed, launch_sglang_server
 
 from rollout_models import tiny_qwen3
 
@@ -46,7 +46,7 @@ def _kill_while_in_flight(server, client):
 
 
 def test_killed_server_is_restarted_and_the_request_retried(model_dir, tmp_path):
-    from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
     from transformers import AutoModelForCausalLM
 
     expected = EmbeddedEngine(AutoModelForCausalLM.from_pretrained(model_dir)).generate([REQ])[0]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.routing import RoutingRecorder
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.routing import RoutingRecorder
 
 from rollout_models import tiny_qwen3, tiny_qwen3_moe
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.protocol import SamplingParams, SamplingParamsError
-from megatron_rl.rollout.sampling import (
-    RowParams, derive_seed, make_generator, processed_logprob_reference, sample_next,
+from megatron_rl.rollout.client.protocol import SamplingParams, SamplingParamsError, derive_seed
+from megatron_rl.rollout.embedded.sampling import (
+    RowParams, make_generator, processed_logprob_reference, sample_next,
 )
 
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -99,7 +99,7 @@ def test_unfiltered_rows_skip_the_sort_but_not_the_semantics():
 
 
 def test_unfiltered_draw_at_the_end_of_the_cdf_takes_the_last_possible_token(monkeypatch):
-    import megatron_rl.rollout.sampling as sampling
+    import megatron_rl.rollout.embedded.sampling as sampling
 
     # u * total can round up to the CDF's last value: never past the last token of non-zero probability
     monkeypatch.setattr(sampling, "_uniforms", lambda gens: torch.ones(len(gens), dtype=torch.float64))

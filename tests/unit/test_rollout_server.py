@@ -11,13 +11,14 @@ import time
 import pytest
 import torch
 
-from megatron_rl.rollout import wire
-from megatron_rl.rollout.balancer import RemoteEngine, WeightTransportError
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.http_client import RequestRejected, RetryPolicy, ServerError, SGLangClient
-from megatron_rl.rollout.protocol import ExpertLayout, GenerateRequest, SamplingParams
-from megatron_rl.rollout.sampling import processed_logprob_reference
-from megatron_rl.rollout.server import EmbeddedServer, ServerLimits
+from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.client.weight_group_host import WeightTransportError
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.http_client import RequestRejected, RetryPolicy, ServerError, SGLangClient
+from megatron_rl.rollout.client.protocol import ExpertLayout, GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.sampling import processed_logprob_reference
+from megatron_rl.rollout.embedded.server import EmbeddedServer, ServerLimits
 
 from rollout_models import VOCAB, other_weights, recompute_logits, tiny_qwen3, tiny_qwen3_moe
 
@@ -253,7 +254,7 @@ def test_weight_updates_need_a_session(dense_server):
 
 @pytest.mark.parametrize("shared_files", [True, False], ids=["shm-file", "base64"])
 def test_update_weights_from_tensor_over_http(dense_server, shared_files, tmp_path, monkeypatch):
-    import megatron_rl.rollout.server as server_mod
+    import megatron_rl.rollout.client.wire as server_mod
 
     monkeypatch.setattr(server_mod, "shared_dir", lambda: str(tmp_path))
     client = SGLangClient(dense_server.url, retry=FAST)
@@ -305,7 +306,7 @@ def test_weight_files_fall_back_to_bytes_when_the_server_cannot_read_them(dense_
 
 
 def test_only_servers_on_this_machine_get_weight_files():
-    from megatron_rl.rollout.http_client import _is_local_address
+    from megatron_rl.rollout.client.http_client import _is_local_address
 
     assert _is_local_address("127.0.0.1") and _is_local_address("localhost")
     assert not _is_local_address("198.51.100.254")  # TEST-NET-2: an address of no interface here
@@ -513,7 +514,7 @@ def test_balancer_spreads_requests(policy):
 
 def test_concurrent_requests_are_gathered_into_one_engine_call():
     """A driver's concurrent requests start as one batch (one prefill), not first-arrival + the rest."""
-    from megatron_rl.rollout.generation_queue import GenerationQueue
+    from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 
     engine = EmbeddedEngine(tiny_qwen3())
     takes = []
@@ -595,7 +596,7 @@ def test_the_client_bounds_the_samples_in_flight(dense_server, max_in_flight, n,
 def server_process(tmp_path_factory):
     """The embedded server in its own process: a weight group's name exists once per process, and the trainer's
     side of the group lives in this one."""
-    from megatron_rl.rollout.process import launch_embedded_server
+    from megatron_rl.rollout.client.process import launch_embedded_server
 
     path = tmp_path_factory.mktemp("tiny_qwen3")
     tiny_qwen3(max_positions=4096).save_pretrained(path)

@@ -11,7 +11,7 @@ from megatron_rl.objectives import (
     LossInputs, ObjectiveConfig, PolicyLossConfig, RolloutCorrectionConfig, RoutingMaskConfig, TRMConfig, rl_loss,
     select_tokens,
 )
-from megatron_rl.rollout.protocol import Sample
+from megatron_rl.rollout.client.protocol import Sample
 from megatron_rl.routing import (
     FREE, AgreementTracker, RoutingLayout, attach_routes, check_route_checksums, sample_routes, token_checksum,
 )

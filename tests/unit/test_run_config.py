@@ -98,8 +98,8 @@ def test_cross_field_errors_name_fields_values_and_fix(assets, tmp_path, overrid
 def test_remote_servers_distributed_transport_and_seed_check(assets, tmp_path):
     """engine=remote: weight_transport=auto is 'distributed' (SGLang takes no safetensors buckets), and a seeded
     run refuses a server whose /server_info says it ignores sampling_seed (no --enable-deterministic-inference)."""
-    from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megatron_rl.rollout.server import EmbeddedServer
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
 
     from rollout_models import tiny_qwen3
 
@@ -170,7 +170,7 @@ def test_all_problems_reported_at_once(assets, tmp_path):
 
 
 def test_tokenizer_larger_than_model_vocabulary(assets, tmp_path):
-    from megatron_rl.testing import tiny_hf_checkpoint
+    from multiproc import tiny_hf_checkpoint
 
     small = tiny_hf_checkpoint(str(tmp_path / "small"), "qwen3", vocab_size=32, max_position_embeddings=64)
     with pytest.raises(ConfigError) as e:
@@ -193,6 +193,19 @@ def test_paths_and_unknown_keys(assets, tmp_path, overrides, needle):
         _load(assets, tmp_path, *overrides)
     assert needle in str(e.value)
     assert "RunConfig." not in str(e.value)  # paths read as the user writes them
+
+
+def test_missing_files_are_listed_together(assets, tmp_path):
+    """--dry-run of a recipe whose data and model are not there yet: every missing path in one error (not one
+    per invocation), the data ones pointing at tools/prepare_math_data.py."""
+    with pytest.raises(ConfigError) as e:
+        _load(assets, tmp_path, "model.hf_path=/nowhere/model", "data.path=/nowhere/train.jsonl",
+              "eval.data=null", "eval.datasets.a.path=/nowhere/a.jsonl", "eval.datasets.b.path=/nowhere/b.jsonl")
+    msg = str(e.value)
+    for needle in ("model.hf_path='/nowhere/model'", "data.path='/nowhere/train.jsonl' does not exist",
+                   "eval.datasets.a.path='/nowhere/a.jsonl'", "eval.datasets.b.path='/nowhere/b.jsonl'"):
+        assert needle in msg
+    assert msg.count("tools/prepare_math_data.py") == 3
 
 
 def test_existing_checkpoints_need_resume_or_overwrite(assets, tmp_path):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from megatron_rl.training.schedule import WorkModel, assign_to_ranks, imbalance, pack, rank_rows
+from megatron_rl.training.token_budget import WorkModel, assign_to_ranks, imbalance, pack, rank_rows
 
 WORK = WorkModel(a=1.0, b=0.02)
 

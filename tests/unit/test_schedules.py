@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.schedules import LRSchedule, LRScheduleConfig, set_lr
+from megatron_rl.lr_schedules import LRSchedule, LRScheduleConfig, set_lr
 
 
 def _trace(k):

@@ -18,17 +18,17 @@ The SGLang venv comes from ``scripts/setup_sglang_venv.sh`` (``scripts/test.sh``
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from megatron_rl.rollout import tensor_payload, wire
-from megatron_rl.rollout.balancer import RemoteEngine
-from megatron_rl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from megatron_rl.rollout.http_client import RequestRejected, SGLangClient
-from megatron_rl.rollout.protocol import ExpertLayout, GenerateRequest, SamplingParams
-from megatron_rl.rollout.server import EmbeddedServer
+from megatron_rl.rollout.client import wire
+from megatron_rl.weights import tensor_payload
+from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.client.http_client import RequestRejected, SGLangClient
+from megatron_rl.rollout.client.protocol import ExpertLayout, GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.server import EmbeddedServer
 
 from rollout_models import tiny_qwen3, tiny_qwen3_moe
 
@@ -271,7 +271,7 @@ def test_our_launch_command_lines_parse_in_sglangs_own_parser(sglang_python, tmp
     values they set arriving as SGLang reads them."""
     from megatron_rl.config import build_run_config, resolve_mapping
     from megatron_rl.orchestration.engine_worker import EngineSpec
-    from megatron_rl.rollout.sglang import SGLangServerConfig
+    from megatron_rl.rollout.client.sglang import SGLangServerConfig
 
     def launch_args(cfg: SGLangServerConfig) -> list:
         argv = cfg.argv(port=31000)

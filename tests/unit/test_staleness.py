@@ -191,8 +191,8 @@ def test_admission_capacity_and_errors():
 
 
 def _sample(spans, finish="length"):
-    from megatron_rl.rollout.protocol import Sample
-    from megatron_rl.rollout.weight_versions import WeightVersionSpan
+    from megatron_rl.rollout.client.protocol import Sample
+    from megatron_rl.rollout.client.weight_versions import WeightVersionSpan
 
     n = spans[-1][2]
     return Sample([1], list(range(n)), [0.0] * n, finish, weight_version=spans[-1][0],

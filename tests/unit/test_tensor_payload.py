@@ -1,4 +1,4 @@
-"""SGLang's ``/update_weights_from_tensor`` payloads (``rollout/tensor_payload.py``) on CPU tensors: the
+"""SGLang's ``/update_weights_from_tensor`` payloads (``weights/tensor_payload.py``) on CPU tensors: the
 flattened-bucket layout, the embedded server's decoder, and SGLang 0.5.23's own decoder.
 
 SGLang's side runs in the SGLang venv (torch 2.14.1 + sglang 0.5.23 ``--no-deps``) through
@@ -10,7 +10,6 @@ it prints per-tensor checksums. Where: ``$SGLANG_VENV`` (default ``<repo>/.venv-
 """
 
 import base64
-import io
 import json
 import os
 import pickle
@@ -21,7 +20,7 @@ import types
 import pytest
 import torch
 
-from megatron_rl.rollout import tensor_payload as tp
+from megatron_rl.weights import tensor_payload as tp
 
 from run_helpers import REPO
 

@@ -10,7 +10,7 @@ from megatron_rl.objectives import (
     AggregationConfig, DenseKLConfig, DVPConfig, KLPenaltyConfig, ObjectiveConfig, PolicyLossConfig,
     RolloutCorrectionConfig, TRMConfig,
 )
-from megatron_rl.schedules import LRScheduleConfig
+from megatron_rl.lr_schedules import LRScheduleConfig
 from megatron_rl.training import OptimConfig, TrainBatch, TrainConfig, make_micro_batches
 from megatron_rl.training import loss_glue
 from megatron_rl.training.results import merge_micro_batch_metrics

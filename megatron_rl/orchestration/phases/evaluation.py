@@ -8,7 +8,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration.evaluate import Evaluator
-from megatron_rl.orchestration.rollout import RolloutPhase
+from megatron_rl.orchestration.rollout_phase import RolloutPhase
 
 
 class EvalPhase:

@@ -9,7 +9,7 @@ from typing import Callable, Dict, Optional
 from megatron_rl.config import RunConfig
 from megatron_rl.orchestration import hooks
 from megatron_rl.orchestration.engine_health import ActorEngine, EngineMonitor
-from megatron_rl.rollout.balancer import RemoteEngine
+from megatron_rl.rollout.client.balancer import RemoteEngine
 
 logger = logging.getLogger(__name__)
 

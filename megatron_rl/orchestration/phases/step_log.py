@@ -11,7 +11,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.metrics import MetricsLogger, PhaseTimer, throughput
 from megatron_rl.orchestration.activity import BusyMeter
 from megatron_rl.orchestration.phases.health import EngineHealth
-from megatron_rl.orchestration.rollout import RolloutBatch
+from megatron_rl.orchestration.rollout_phase import RolloutBatch
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 
 logger = logging.getLogger(__name__)
@@ -26,9 +26,10 @@ class StepLog:
         info = trainers.infos[0]
         self.peak_flops = info.get("peak_flops")  # the device peak (trainer rank 0's)
         if self.peak_flops:
-            logger.info("MFU: %.2f TFLOP/s peak per device (%s, %s); %d trainer + %d engine device(s)%s",
-                        self.peak_flops / 1e12, info.get("device"), info.get("source"), self.devices.trainer,
-                        self.devices.engine, " (colocated)" if self.devices.colocated else "")
+            logger.info("MFU (perf/*mfu: a fraction of the peak, not %%): %.3f TFLOP/s peak per device (%s; %s); "
+                        "%d trainer + %d engine device(s)%s", self.peak_flops / 1e12, info.get("device"),
+                        info.get("source"), self.devices.trainer, self.devices.engine,
+                        " (colocated)" if self.devices.colocated else "")
         self.metrics = MetricsLogger(cfg.logging, resume_step=resume_step,
                                      run_name=os.path.basename(os.path.abspath(cfg.output_dir)),
                                      config_dict=config_io.to_dict(cfg))

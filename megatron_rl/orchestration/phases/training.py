@@ -13,7 +13,7 @@ from megatron_rl.diagnostics import gain_decomposition
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.objectives import ObjectiveConfig, StepPasses
 from megatron_rl.orchestration import batching
-from megatron_rl.orchestration.rollout import RolloutBatch
+from megatron_rl.orchestration.rollout_phase import RolloutBatch
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 
 

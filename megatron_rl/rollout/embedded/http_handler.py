@@ -1,0 +1,130 @@
+"""The embedded server's HTTP layer: SGLang's error answers, body validation, the request handler."""
+
+from __future__ import annotations
+
+import json
+import logging
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any, Dict
+
+from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.embedded.decode_loop import EngineUnavailableError
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.embedded.server import EmbeddedServer
+
+log = logging.getLogger("megatron_rl.rollout.embedded.server")  # the server's log, as before the split
+
+MAX_BODY_BYTES = 4 << 30
+
+
+class HTTPError(Exception):
+    """An answer other than 200: ``status`` and the JSON (or text) ``payload`` SGLang would send."""
+
+    def __init__(self, status: int, payload: Any):
+        super().__init__(wire.error_message(payload))
+        self.status, self.payload = status, payload
+
+
+def request_error(message: str, status: int = 400) -> HTTPError:
+    return HTTPError(status, {"error": {"message": message}})
+
+
+def weights_error(message: str) -> HTTPError:
+    return HTTPError(400, {"success": False, "message": message})
+
+
+def validation_error(field: str, message: str, value: Any = None) -> HTTPError:
+    """What FastAPI answers when a body does not validate against the endpoint's request class."""
+    return HTTPError(422, {"detail": [{"type": "value_error", "loc": ["body", field], "msg": message,
+                                       "input": value}]})
+
+
+def body_field(body: Dict[str, Any], key: str, kind, default=...):
+    if key not in body or body[key] is None and default is not ...:
+        if default is ...:
+            raise validation_error(key, "Field required")
+        return default
+    value = body[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise validation_error(key, f"Input should be a valid {getattr(kind, '__name__', 'value')}", value)
+    return value
+
+
+class HTTPServer(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: a driver sending dozens of concurrent /generate requests
+    # overflows it, and the dropped SYNs are retried only after ~1 s (100 small requests took 3.6 s, not 0.1 s).
+    request_queue_size = 1024
+    daemon_threads = True
+
+
+
+def make_handler(server: "EmbeddedServer"):
+    """The request handler class of ``server``: JSON in, ``server.dispatch(method, path, body)``, JSON out."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # keep test output quiet; debug logging only
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, status: int, payload: Any) -> None:
+            if isinstance(payload, str):  # SGLang answers /flush_cache with text
+                data, kind = payload.encode(), "text/plain; charset=utf-8"
+            else:
+                data, kind = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self) -> Any:
+            raw_length = self.headers.get("Content-Length")
+            try:
+                length = int(raw_length or 0)
+            except ValueError:
+                length = -1
+            if length < 0:
+                self.close_connection = True
+                raise HTTPError(400, {"detail": f"Invalid Content-Length header: {raw_length!r}"})
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise HTTPError(413, {"detail": f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"})
+            raw = self.rfile.read(length) if length else b""
+            if len(raw) != length:
+                self.close_connection = True
+                raise HTTPError(400, {"detail": f"body shorter than its Content-Length ({len(raw)} < {length})"})
+            try:
+                return json.loads(raw) if raw.strip() else {}
+            except ValueError as e:
+                raise HTTPError(422, {"detail": [{"type": "json_invalid", "loc": ["body", e.pos if hasattr(e, "pos")
+                                                                                  else 0],
+                                                  "msg": f"JSON decode error: {e}"}]}) from None
+
+        def _handle(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                status, payload = server.dispatch(method, path, self._body())
+            except HTTPError as e:
+                status, payload = e.status, e.payload
+            except EngineUnavailableError as e:
+                status, payload = 400, {"error": {"message": str(e)}}
+            except Exception as e:  # noqa: BLE001 - a bug must still answer, with its message
+                log.exception("error serving %s %s", method, path)
+                status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+            try:
+                self._send(status, payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away (timeout, abort); nothing to answer
+
+        def do_GET(self):
+            self._handle("GET")
+
+        def do_POST(self):
+            self._handle("POST")
+
+        def do_PUT(self):
+            self._handle("PUT")
+
+    return Handler
