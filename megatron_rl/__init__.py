@@ -15,7 +15,8 @@ Tour (each sub-package's ``__init__`` has its own):
   orchestration/  Ray workers and placement, the driver loop and its phases, rollout modes, recovery
   launch/         SLURM sbatch rendering, Ray cluster helpers
   cli/            ``megatron-rl <command>``: one module per sub-command
-  config.py, config_checks.py, config_files.py, config_io.py   the typed run config, its checks, YAML I/O
+  config/         the typed run config (no torch): sections, the rollout section's key aliases, loading, checks
+  config_io.py    dataclass <-> YAML / dotted overrides, type-checked, every problem at once
   lr_schedules.py learning-rate schedules incl. the response-length-surge decay
   parallel.py     torch.distributed + Megatron parallel_state set-up; explicit process groups
   compat.py       the CPU compatibility layer for Megatron-Core (applied only without CUDA)

@@ -175,6 +175,9 @@ def _build_dataclass(cls: Any, value: Any, path: str) -> Any:
         value = {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {value!r}")
+    normalize = getattr(cls, "normalize_keys", None)  # a section's table of renamed keys
+    if normalize is not None:
+        value = normalize(value)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     problems: List[str] = []

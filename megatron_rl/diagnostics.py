@@ -25,33 +25,16 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Dict, Hashable, Optional, Sequence
 
 import torch
 
+from megatron_rl.config.sections import DiagnosticsConfig  # noqa: F401 - its home before config/sections.py
 from megatron_rl.objectives.divergence import clamp_log_ratio
 
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class DiagnosticsConfig:
-    """Extra per-step diagnostics.
-
-    Attributes:
-        gain: the §h gain decomposition (``gain/*`` metrics) from one more forward pass of the step's
-            batch after the update (the cost of one old-log-prob pass).
-        reward_max: R_max of ``gain/slack`` (rewards in [0, R_max]): the certified bound. ``None``: the
-            batch's largest |R − b| (an estimate of it, tighter; exact_match / math rewards: 1).
-    """
-
-    gain: bool = False
-    reward_max: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if self.reward_max is not None and not self.reward_max > 0:
-            raise ValueError(f"diagnostics.reward_max={self.reward_max} must be > 0 (or None: from the batch)")
 
 
 def _group_mean(values: Tensor, group_ids: Tensor, weights: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from megatron_rl import compat
+from megatron_rl.config.sections import ParallelLayout
 
 
 def device() -> torch.device:
@@ -98,36 +99,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Model-parallel sizes. Data parallelism is whatever remains of the world size.
-
-    ``etp`` is the tensor-parallel size of MoE experts (None: same as ``tp``, Megatron's default).
-    """
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    etp: Optional[int] = None
-
-    def dp(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp * self.cp)
-
-    def check(self, world_size: int) -> None:
-        model = self.tp * self.pp * self.cp
-        if world_size % model:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}"
-                f" = {model}; change the parallel sizes or the number of processes"
-            )
-        dp_cp = self.dp(world_size) * self.cp
-        etp = self.tp if self.etp is None else self.etp
-        expert_grid = dp_cp * self.tp  # ranks of one pipeline stage, regrouped as etp x ep x edp
-        if expert_grid % (etp * self.ep):
-            raise ValueError(
-                f"expert parallel sizes etp*ep = {etp}*{self.ep} must divide dp*cp*tp = {expert_grid}"
-            )
 
 
 @dataclass(frozen=True)

@@ -14,41 +14,13 @@ Remote engines (``rollout.engine: remote``) are not profiled (their processes ar
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
+from megatron_rl.config.sections import ProfileConfig  # noqa: F401 - its home before config/sections.py
 
-@dataclass(frozen=True)
-class ProfileConfig:
-    """Which steps and processes to trace.
 
-    steps:         1-based steps to capture (empty: none).
-    trainer_ranks: global trainer ranks that record a trace.
-    engines:       also trace the rollout engines (their servers' ``/start_profile``: SGLang's own, or the
-                   embedded server's torch profiler over its process).
-    dir:           output directory (None: ``<logging.output_dir>/profile``).
-    record_shapes, with_stack: the torch profiler's options (more detail, larger traces).
-    """
-
-    steps: List[int] = field(default_factory=list)
-    trainer_ranks: List[int] = field(default_factory=lambda: [0])
-    engines: bool = True
-    dir: Optional[str] = None
-    record_shapes: bool = False
-    with_stack: bool = False
-
-    def __post_init__(self) -> None:
-        bad = [s for s in self.steps if not isinstance(s, int) or s < 1]
-        if bad:
-            raise ValueError(f"profile.steps={self.steps}: steps are 1-based integers, got {bad}")
-        bad = [r for r in self.trainer_ranks if not isinstance(r, int) or r < 0]
-        if bad:
-            raise ValueError(f"profile.trainer_ranks={self.trainer_ranks}: ranks are integers >= 0, got {bad}")
-
-    def step_dir(self, output_dir: str, step: int) -> str:
-        return os.path.join(self.dir or os.path.join(output_dir, "profile"), f"step_{step}")
 
 
 class Capture:

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 TINY_RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
 MOE_RECIPE = str(REPO / "examples" / "tiny_cpu_moe.yaml")
+FAULT_SCRIPT = str(REPO / "tests" / "fault_hooks.py")  # the CLI with the faults of these variables installed
+FAULT_ENV_NAMES = ("MEGATRON_RL_TEST_KILL_ENGINE", "MEGATRON_RL_FAULT")
 
 
 def quick_assets(directory, model: str = "qwen3") -> Dict[str, str]:
@@ -35,10 +37,13 @@ def tiny_overrides(assets: Dict[str, str], out_dir, *extra: str, steps: int = 3,
 
 def run_cli(args: List[str], timeout: float = 300.0, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """``megatron-rl <args>`` in a fresh interpreter (the real entry point; Ray starts and stops there);
-    ``env``: extra environment variables."""
+    ``env``: extra environment variables; with a fault variable of ``fault_hooks.py`` among them, the CLI runs
+    with those faults installed."""
+    faults = any(name in (env or {}) for name in FAULT_ENV_NAMES)
+    entry = [FAULT_SCRIPT] if faults else ["-m", "megatron_rl.cli"]
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false",
                **(env or {}))
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], cwd=str(REPO), env=env,
+    proc = subprocess.run([sys.executable, *entry, *args], cwd=str(REPO), env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc
 

@@ -69,7 +69,9 @@ class Run:
     def __init__(self, args: List[str], log: str, extra_env: Optional[Dict[str, str]] = None):
         self.log_path = log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", RECIPE, *args], cwd=REPO,
+        # a fault variable among extra_env: the CLI with the test fault hooks installed (tests/fault_hooks.py)
+        entry = [os.path.join(REPO, "tests", "fault_hooks.py")] if extra_env else ["-m", "megatron_rl.cli"]
+        self.proc = subprocess.Popen([sys.executable, *entry, "train", RECIPE, *args], cwd=REPO,
                                      env={**env(), **(extra_env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
 
     def text(self) -> str:

@@ -11,7 +11,6 @@ at position t (or no baseline) — a context-only baseline, so r_t is recoverabl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,45 +18,12 @@ import torch
 from megatron_rl.advantages.otb import logit_gradient_proxy, otb, position_baseline
 from megatron_rl.advantages.outcome import grpo, group_stats, reinforce_pp, reinforce_pp_baseline, rloo
 from megatron_rl.advantages.returns import masked_whiten, return_to_go, sequence_scores
+from megatron_rl.config.sections import ADVANTAGE_ESTIMATORS as ESTIMATORS  # noqa: F401
+from megatron_rl.config.sections import AdvantageConfig
 
 Tensor = torch.Tensor
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "otb", "rtg")
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Advantage estimator.
-
-    Attributes:
-        estimator: ``grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``, ``otb`` or ``rtg``.
-        norm_by_std: GRPO divides by the group std (``False`` = Dr.GRPO; pair it with aggregation mode
-            ``seq_mean_token_sum`` or ``fixed``).
-        eps: GRPO std epsilon.
-        gamma: discount of ``reinforce_pp`` and ``rtg`` (per valid token).
-        otb_handle_zero_tail: see :func:`otb.position_baseline`.
-        otb_align: ``position`` or ``valid_token`` (multi-turn).
-        rtg_baseline: ``group_mean`` or ``none``.
-    """
-
-    estimator: str = "grpo"
-    norm_by_std: bool = True
-    eps: float = 1e-6
-    gamma: float = 1.0
-    otb_handle_zero_tail: bool = True
-    otb_align: str = "position"
-    rtg_baseline: str = "group_mean"
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"AdvantageConfig.estimator={self.estimator!r} is not one of {ESTIMATORS}")
-        if not self.eps > 0:
-            raise ValueError(f"AdvantageConfig.eps={self.eps} must be > 0")
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"AdvantageConfig.gamma={self.gamma} must be in (0, 1]")
-        if self.otb_align not in ("position", "valid_token"):
-            raise ValueError(f"AdvantageConfig.otb_align={self.otb_align!r} must be 'position' or 'valid_token'")
-        if self.rtg_baseline not in ("group_mean", "none"):
-            raise ValueError(f"AdvantageConfig.rtg_baseline={self.rtg_baseline!r} must be 'group_mean' or 'none'")
 
 
 def rtg(token_rewards: Tensor, mask: Tensor, group_ids=None, gamma: float = 1.0,

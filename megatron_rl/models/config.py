@@ -8,13 +8,13 @@ HF quirk is resolved here, once, so the builder and the weight mapping read plai
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megatron_rl.config.sections import MODEL_DTYPES, ModelConfig, ParallelLayout
 from megatron_rl.models import deepseek
-from megatron_rl.parallel import ParallelLayout
 
 # model_type -> (attention projections have a bias, q/k RMSNorm per head, MoE)
 _FAMILIES: Dict[str, Tuple[bool, bool, bool]] = {
@@ -26,55 +26,12 @@ _FAMILIES: Dict[str, Tuple[bool, bool, bool]] = {
     "deepseek_v3": (False, False, True),  # MLA + shared expert + sigmoid router: models/deepseek.py
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+_DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-@dataclass
-class ModelConfig:
-    """How to build the policy model. Only ``hf_path`` is required."""
-
-    hf_path: str  # local HF directory (config.json + safetensors) or anything AutoConfig accepts
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype
-    # Megatron pads the vocabulary to a multiple of vocab_divisor * TP (its default divisor is 128).
-    vocab_divisor: int = 128
-    # "auto": Transformer Engine spec when TE is importable and CUDA is present, else "local"
-    # (portable torch spec: Megatron linears + SDPA attention + RMSNorm).
-    layer_spec: Literal["auto", "te", "local"] = "auto"
-    # Local spec: RMSNorm, SwiGLU, RoPE and residual adds each one torch.compile'd kernel
-    # (models/fused_layer.py), and weight gradients accumulated into DDP's fp32 main_grad inside the wgrad
-    # GEMM (models/fused_wgrad.py). "auto": on with CUDA (launch-bound there), off on CPU (no launches to
-    # save, and inductor's C++ compile is slow); "on" / "off" force it. Same values and gradients either way.
-    fused_elementwise: Literal["auto", "on", "off"] = "auto"
-    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    # Build MoE routers with Megatron's RouterReplay (needed by models.router record/replay).
-    routing_replay: bool = True
-    # None: on whenever TP > 1 (Megatron requires it for MoE with TP > 1).
-    sequence_parallel: Optional[bool] = None
-    moe_aux_loss_coeff: float = 0.0
-    moe_grouped_gemm: bool = False
-    seed: int = 1234  # torch is seeded with this on every rank before building (identical init)
-    # Escape hatch: extra TransformerConfig fields (e.g. {"recompute_granularity": "full"}).
-    transformer_overrides: Dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
-        if self.layer_spec not in ("auto", "te", "local"):
-            raise ValueError(f"model.layer_spec={self.layer_spec!r}: expected 'auto', 'te' or 'local'")
-        if self.fused_elementwise not in ("auto", "on", "off"):
-            raise ValueError(f"model.fused_elementwise={self.fused_elementwise!r}: expected 'auto', 'on' or 'off' "
-                             "(auto: on with CUDA, off on CPU)")
-        if self.moe_dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(
-                f"model.moe_dispatcher={self.moe_dispatcher!r}: expected 'alltoall' or 'allgather'"
-            )
-        if self.vocab_divisor < 1:
-            raise ValueError(f"model.vocab_divisor={self.vocab_divisor} must be >= 1")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The parameter dtype ``model.dtype`` names."""
+    return _DTYPES[cfg.dtype]
 
 
 @dataclass(frozen=True)
@@ -240,7 +197,7 @@ def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *
     sp = layout.tp > 1 if cfg.sequence_parallel is None else cfg.sequence_parallel
     if arch.is_moe and layout.tp > 1 and not sp:
         raise ValueError("MoE with TP > 1 requires sequence parallelism; set model.sequence_parallel")
-    dtype = cfg.torch_dtype
+    dtype = torch_dtype(cfg)
     kwargs: Dict[str, Any] = dict(
         # parallelism
         tensor_model_parallel_size=layout.tp,

@@ -13,18 +13,20 @@ Entry point: :func:`rl_loss` ``(LossInputs, ObjectiveConfig, ReduceGroups, Norma
   dvp.py                Dynamic Vocabulary Pruning: safe-set rules as vocab-parallel autograd Functions
   dense_kl.py           dense imitation gradient and the future-KL cost-to-go
   kl_penalty.py         KL penalties (in reward or loss) and the entropy bonus
-  config.py             ObjectiveConfig: the per-component configs composed and cross-checked
+  (config)              the per-component configs and ObjectiveConfig live in megatron_rl/config/objective.py
   selection.py          masks and weights, decided before any differentiable math
   metrics.py            diagnostics with fused reductions
   loss.py               composition, step normaliser
+  passes.py             StepPasses: which passes a step needs (forward, reference, gain), from the objective
 """
 
 from megatron_rl.objectives.aggregate import AggregationConfig
-from megatron_rl.objectives.config import ObjectiveConfig
+from megatron_rl.config.objective import ObjectiveConfig
 from megatron_rl.objectives.dense_kl import DenseKLConfig, add_future_kl_cost, dense_kl_per_token, future_kl_cost_to_go
 from megatron_rl.objectives.dvp import DVPConfig, PrunedStats, pruned_token_stats
 from megatron_rl.objectives.kl_penalty import EntropyBonusConfig, KLPenaltyConfig, kl_in_reward, kl_per_token
 from megatron_rl.objectives.loss import Normalizer, rl_loss, step_normalizer
+from megatron_rl.objectives.passes import StepPasses
 from megatron_rl.objectives.policy_loss import PolicyLossConfig
 from megatron_rl.objectives.records import LossInputs
 from megatron_rl.objectives.reduce import ReduceGroups
@@ -37,7 +39,7 @@ from megatron_rl.objectives.trm_bounds import TRMBounds, trm_bounds
 __all__ = [
     "AggregationConfig", "DVPConfig", "DenseKLConfig", "EntropyBonusConfig", "KLPenaltyConfig", "LossInputs",
     "Normalizer", "ObjectiveConfig", "PRESETS", "PolicyLossConfig", "PrunedStats", "ReduceGroups", "RejectionRule",
-    "RolloutCorrectionConfig", "RoutingMaskConfig", "Selection", "TRMBounds", "TRMConfig", "add_future_kl_cost",
+    "RolloutCorrectionConfig", "RoutingMaskConfig", "Selection", "StepPasses", "TRMBounds", "TRMConfig", "add_future_kl_cost",
     "dense_kl_per_token",
     "exact_rollout_kl", "future_kl_cost_to_go", "kl_in_reward", "kl_per_token", "pruned_token_stats", "rl_loss",
     "select_tokens", "step_normalizer", "trm_bounds",

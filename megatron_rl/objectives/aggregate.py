@@ -23,48 +23,16 @@ of the unsplit batch and their gradients add up to its gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
+from megatron_rl.config.objective import AGGREGATION_MODES as MODES  # noqa: F401
+from megatron_rl.config.objective import DENOMINATORS, AggregationConfig  # noqa: F401
 from megatron_rl.objectives.reduce import ProcessGroup, all_reduce, seq_count
 
 Tensor = torch.Tensor
-MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "fixed")
-DENOMINATORS = ("total", "kept")
 
 
-@dataclass(frozen=True)
-class AggregationConfig:
-    """How per-token terms are reduced to the loss.
-
-    Attributes:
-        mode: one of ``token_mean``, ``seq_mean_token_sum``, ``seq_mean_token_mean``, ``fixed``.
-        denominator: ``total`` (rejected tokens/sequences still count) or ``kept`` (they do not).
-        fixed_denominator: the constant D of mode ``fixed`` (required there, forbidden elsewhere).
-    """
-
-    mode: str = "token_mean"
-    denominator: str = "total"
-    fixed_denominator: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"AggregationConfig.mode={self.mode!r} is not one of {MODES}")
-        if self.denominator not in DENOMINATORS:
-            raise ValueError(f"AggregationConfig.denominator={self.denominator!r} is not one of {DENOMINATORS}")
-        if self.mode == "fixed":
-            if self.fixed_denominator is None or not self.fixed_denominator > 0:
-                raise ValueError(
-                    f"AggregationConfig.fixed_denominator={self.fixed_denominator!r}: mode 'fixed' needs a positive "
-                    "constant, e.g. global batch size × max response length (Dr.GRPO)"
-                )
-        elif self.fixed_denominator is not None:
-            raise ValueError(
-                f"AggregationConfig.fixed_denominator={self.fixed_denominator!r} is only used by mode 'fixed'; "
-                f"remove it or set mode='fixed' (mode is {self.mode!r})"
-            )
 
 
 def _counted(valid: Tensor, keep: Tensor, cfg: AggregationConfig) -> Tensor:

@@ -13,37 +13,17 @@ Dropping the cost-to-go (``sparse_includes_future_kl=False``) is biased but lowe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megatron_rl.config.objective import DenseKLConfig
 from megatron_rl.objectives.reduce import ProcessGroup, scan_along_sequence
 from megatron_rl.ops import vocab_parallel_kl
 
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class DenseKLConfig:
-    """Dense imitation term.
-
-    Attributes:
-        beta: β (0 disables).
-        direction: ``reverse`` = KL(π_θ‖π_ref), the gradient of the trajectory KL (§c.2); ``forward`` =
-            KL(π_ref‖π_θ) on student contexts, a surrogate (not the gradient of a trajectory KL, §c.3).
-        sparse_includes_future_kl: subtract β Σ_{t'>t} κ_{t'} from the sparse advantage (exact gradient).
-    """
-
-    beta: float = 0.0
-    direction: str = "reverse"
-    sparse_includes_future_kl: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.beta >= 0:
-            raise ValueError(f"DenseKLConfig.beta={self.beta} must be >= 0")
-        if self.direction not in ("reverse", "forward"):
-            raise ValueError(f"DenseKLConfig.direction={self.direction!r} must be 'reverse' or 'forward'")
 
 
 def dense_kl_per_token(logits: Tensor, ref_logits: Tensor, cfg: DenseKLConfig, *, tp_group=None,

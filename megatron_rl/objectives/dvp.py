@@ -38,63 +38,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron_rl.config.objective import OUT_OF_SET, RULES, DVPConfig  # noqa: F401
 
 Tensor = torch.Tensor
-RULES = ("min_p", "top_k", "top_p", "abs_logprob")
-OUT_OF_SET = ("force_include", "mask")
 
 
-@dataclass(frozen=True)
-class DVPConfig:
-    """Dynamic vocabulary pruning.
-
-    Attributes:
-        enabled: use pruned log-probs (the trainer must compute *every* log-prob of a ratio with the same
-            rule, and the engine must return renormalised log μ_K).
-        rule: safe-set rule, one of ``min_p`` (default: cheapest under TP, native in SGLang), ``top_k``,
-            ``top_p``, ``abs_logprob``.
-        min_p: keep v with π_v >= min_p · max_u π_u.
-        top_k: keep the k largest logits.
-        top_p: keep the smallest nucleus with mass >= top_p.
-        abs_logprob: keep v with log π_v >= abs_logprob (a negative number).
-        out_of_set: a sampled token outside the trainer's set K: ``force_include`` (add it to the
-            normaliser: log π_{K∪{y}}) or ``mask`` (reject the token; counted either way).
-        bisection_iters: top-p threshold search iterations (48 resolve logits ~1e-13 apart).
-    """
-
-    enabled: bool = False
-    rule: str = "min_p"
-    min_p: float = 1e-3
-    top_k: int = 64
-    top_p: float = 0.99
-    abs_logprob: float = -12.0
-    out_of_set: str = "force_include"
-    bisection_iters: int = 48
-
-    def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ValueError(f"DVPConfig.rule={self.rule!r} is not one of {RULES}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"DVPConfig.min_p={self.min_p} must be in [0, 1) (e.g. 1e-3)")
-        if not self.top_k >= 1:
-            raise ValueError(f"DVPConfig.top_k={self.top_k} must be >= 1")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"DVPConfig.top_p={self.top_p} must be in (0, 1]")
-        if not self.abs_logprob < 0:
-            raise ValueError(f"DVPConfig.abs_logprob={self.abs_logprob} must be < 0 (a log-probability)")
-        if self.out_of_set not in OUT_OF_SET:
-            raise ValueError(f"DVPConfig.out_of_set={self.out_of_set!r} is not one of {OUT_OF_SET}")
-        if not 1 <= self.bisection_iters <= 200:
-            raise ValueError(f"DVPConfig.bisection_iters={self.bisection_iters} must be in [1, 200]")
-
-    def safe_set_rule(self) -> "SafeSetRule":
-        if self.rule == "min_p":
-            return MinP(self.min_p)
-        if self.rule == "top_k":
-            return TopK(self.top_k)
-        if self.rule == "top_p":
-            return TopP(self.top_p, self.bisection_iters)
-        return AbsLogProb(self.abs_logprob)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +238,7 @@ def pruned_token_stats(logits: Tensor, targets: Tensor, cfg: DVPConfig, *, tp_gr
     tp_size = dist.get_world_size(tp_group) if _active(tp_group) else 1
     vocab_size = v_local * tp_size if vocab_size is None else vocab_size
     lp, mass, kept = PrunedTargetLogProb.apply(
-        logits.reshape(-1, v_local), targets.reshape(-1), cfg.safe_set_rule(), tp_group, tp_rank * v_local,
+        logits.reshape(-1, v_local), targets.reshape(-1), safe_set_rule(cfg), tp_group, tp_rank * v_local,
         vocab_size, float(temperature), chunk_size,
     )
     shape = targets.shape
@@ -305,3 +253,14 @@ def out_of_set_keep(target_kept: Optional[Tensor], valid: Tensor, cfg: DVPConfig
         raise ValueError("DVPConfig.out_of_set='mask' needs LossInputs.target_kept (from pruned_token_stats or "
                          "ops.vocab_parallel_stats(min_p=...)); or use out_of_set='force_include'")
     return target_kept | ~valid
+
+
+def safe_set_rule(cfg: DVPConfig) -> SafeSetRule:
+    """The configured rule as the object the fused log-prob applies."""
+    if cfg.rule == "min_p":
+        return MinP(cfg.min_p)
+    if cfg.rule == "top_k":
+        return TopK(cfg.top_k)
+    if cfg.rule == "top_p":
+        return TopP(cfg.top_p, cfg.bisection_iters)
+    return AbsLogProb(cfg.abs_logprob)

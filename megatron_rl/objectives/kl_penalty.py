@@ -20,55 +20,18 @@ reward it is a detached per-token cost subtracted before advantages are computed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megatron_rl.config.objective import ESTIMATORS, PLACEMENTS, EntropyBonusConfig, KLPenaltyConfig  # noqa: F401
 from megatron_rl.objectives.divergence import clamp_log_ratio
 
 Tensor = torch.Tensor
-ESTIMATORS = ("k1", "k2", "k3", "low_var", "exact")
-PLACEMENTS = ("loss", "reward")
 
 
-@dataclass(frozen=True)
-class KLPenaltyConfig:
-    """β·KL(π_θ ‖ π_ref) penalty.
-
-    Attributes:
-        coef: β (0 disables).
-        estimator: ``k1``, ``k2``, ``k3``, ``low_var`` or ``exact``.
-        placement: ``loss`` (added to the per-token loss) or ``reward`` (subtracted from the per-token
-            reward before the advantage estimator; see :func:`kl_in_reward`).
-    """
-
-    coef: float = 0.0
-    estimator: str = "low_var"
-    placement: str = "loss"
-
-    def __post_init__(self) -> None:
-        if not self.coef >= 0:
-            raise ValueError(f"KLPenaltyConfig.coef={self.coef} must be >= 0")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"KLPenaltyConfig.estimator={self.estimator!r} is not one of {ESTIMATORS}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"KLPenaltyConfig.placement={self.placement!r} is not one of {PLACEMENTS}")
-
-    @property
-    def in_loss(self) -> bool:
-        return self.coef > 0 and self.placement == "loss"
 
 
-@dataclass(frozen=True)
-class EntropyBonusConfig:
-    """Entropy bonus: ``−coef · H(π_θ(·|c_t))`` per token (needs ``LossInputs.entropy``)."""
-
-    coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.coef >= 0:
-            raise ValueError(f"EntropyBonusConfig.coef={self.coef} must be >= 0")
 
 
 def kl_per_token(logprobs: Tensor, ref_logprobs: Optional[Tensor], estimator: str,

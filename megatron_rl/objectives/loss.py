@@ -22,7 +22,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from megatron_rl.objectives.aggregate import aggregate, finish_denominator, local_count, token_coefficients
-from megatron_rl.objectives.config import ObjectiveConfig
+from megatron_rl.config.objective import ObjectiveConfig
 from megatron_rl.objectives.kl_penalty import kl_per_token
 from megatron_rl.objectives.metrics import objective_metrics
 from megatron_rl.objectives.policy_loss import policy_token_loss

@@ -8,58 +8,18 @@ decoupled mode and μ (the rollout policy) in bypass mode; :mod:`megatron_rl.obj
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Optional
 
 import torch
 
+from megatron_rl.config.objective import LOSSES, PolicyLossConfig  # noqa: F401
+from megatron_rl.config.objective import POLICY_MODES as MODES  # noqa: F401
 from megatron_rl.objectives.divergence import clamp_log_ratio
 from megatron_rl.objectives.reduce import ProcessGroup, seq_sum_count
 
 Tensor = torch.Tensor
-LOSSES = ("ppo_clip", "gspo", "reinforce")
-MODES = ("decoupled", "bypass")
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Policy-gradient surrogate.
-
-    Attributes:
-        loss: ``ppo_clip`` (token ratio), ``gspo`` (sequence geometric-mean ratio, token gradient) or
-            ``reinforce`` (``−sg(w)·A·log π_θ``; one gradient step per batch). GSPO's gradient is that of
-            the sequence objective with aggregation ``seq_mean_token_mean`` (the GSPO paper's choice).
-        mode: ``decoupled`` — three policies: PPO ratio π_θ/π_old, rollout correction on π_old/μ
-            (needs ``old_logprobs``); ``bypass`` — π_old := μ, no recompute: PPO ratio π_θ/μ and
-            correction statistics from sg(π_θ)/μ (needs ``rollout_logprobs``).
-        clip_eps_low / clip_eps_high: ratio clipped to [1−ε_low, 1+ε_high] ("clip-higher" when
-            ε_high > ε_low). GSPO uses sequence-level ε (typically 3e-4 / 4e-4).
-        dual_clip_c: for A < 0 the loss is capped at c·|A| (dual clip, c > 1); ``None`` disables.
-            ``"auto"`` (default) resolves to 3.0 for ``ppo_clip`` (verl) and to ``None`` for ``gspo``
-            (GSPO's sequence-level clip has no dual clip; set a number to ask for one).
-    """
-
-    loss: str = "ppo_clip"
-    mode: str = "decoupled"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip_c: Union[float, Literal["auto"], None] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.dual_clip_c == "auto":
-            object.__setattr__(self, "dual_clip_c", 3.0 if self.loss == "ppo_clip" else None)
-        elif isinstance(self.dual_clip_c, str):
-            raise ValueError(f"PolicyLossConfig.dual_clip_c={self.dual_clip_c!r}: expected a number > 1, None or 'auto'")
-        if self.loss not in LOSSES:
-            raise ValueError(f"PolicyLossConfig.loss={self.loss!r} is not one of {LOSSES}")
-        if self.mode not in MODES:
-            raise ValueError(f"PolicyLossConfig.mode={self.mode!r} is not one of {MODES}")
-        if not 0 <= self.clip_eps_low < 1:
-            raise ValueError(f"PolicyLossConfig.clip_eps_low={self.clip_eps_low} must be in [0, 1) "
-                             "(the lower clip bound 1-eps must stay positive)")
-        if not self.clip_eps_high >= 0:
-            raise ValueError(f"PolicyLossConfig.clip_eps_high={self.clip_eps_high} must be >= 0")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
-            raise ValueError(f"PolicyLossConfig.dual_clip_c={self.dual_clip_c} must be > 1 (verl uses 3.0) or None")
 
 
 @dataclass

@@ -12,11 +12,35 @@ with DVP, already pruned-and-renormalised on *both* sides of every ratio, math_s
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 Tensor = torch.Tensor
+
+@dataclass(kw_only=True)
+class BatchTokens:
+    """The per-token ``[B, R]`` fields a training batch carries from the driver into the loss, declared once:
+    :class:`~megatron_rl.training.TrainBatch` and :class:`~megatron_rl.training.micro_batch.MicroBatch` inherit
+    them, and each micro-batch hands them to :class:`LossInputs` (same names, documented there) by
+    :func:`batch_tokens`. A new per-token input is one line here (and its use in the loss).
+    """
+
+    advantages: Optional[Tensor] = None
+    rollout_logprobs: Optional[Tensor] = None
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    routing_disagreement: Optional[Tensor] = None
+    policy_version: Optional[Tensor] = None
+
+
+BATCH_TOKEN_FIELDS = tuple(f.name for f in fields(BatchTokens))
+
+
+def batch_tokens(record: BatchTokens) -> Dict[str, Optional[Tensor]]:
+    """The record's per-token fields by name (for the next record on the way to the loss)."""
+    return {name: getattr(record, name) for name in BATCH_TOKEN_FIELDS}
+
 
 # Float per-token fields checked for non-finite values at valid positions (math_spec §1.4).
 _FLOAT_FIELDS = ("logprobs", "advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs", "entropy",

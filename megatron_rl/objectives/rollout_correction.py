@@ -30,133 +30,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
+from megatron_rl.config.objective import CORRECTION_LEVELS as LEVELS  # noqa: F401
+from megatron_rl.config.objective import PRESETS, STATISTICS, RejectionRule, RolloutCorrectionConfig  # noqa: F401
 from megatron_rl.objectives.divergence import SeqDivergenceStats, clamp_log_ratio, k2, k3
 
 Tensor = torch.Tensor
-STATISTICS = ("k1", "k2", "k3")
-LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
 
 
-@dataclass(frozen=True)
-class RejectionRule:
-    """Keep a token/sequence only if its statistic lies within the bounds. Rules are AND-ed.
-
-    ``k1``: ``lower``/``upper`` bound the *ratio* (token ρ_t for ``token``, ρ(y) for ``seq_sum``,
-    ρ_geo for ``seq_mean``); either may be omitted for a one-sided test. ``k2``/``k3``: ``upper``
-    bounds the statistic (per token, its sequence sum, mean or max); ``lower`` must be ``None``.
-    """
-
-    statistic: str
-    level: str
-    lower: Optional[float] = None
-    upper: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        name = f"RejectionRule({self.statistic!r}, {self.level!r})"
-        if self.statistic not in STATISTICS:
-            raise ValueError(f"{name}: statistic must be one of {STATISTICS}")
-        if self.level not in LEVELS:
-            raise ValueError(f"{name}: level must be one of {LEVELS}")
-        if self.statistic == "k1":
-            if self.level == "seq_max":
-                raise ValueError(f"{name}: 'seq_max' is defined for k2/k3 only; bound every token's ratio with "
-                                 "level='token' or use ('k2', 'seq_max') for a |log ρ| veto")
-            if self.lower is None and self.upper is None:
-                raise ValueError(f"{name}: give a ratio bound lower and/or upper (e.g. lower=0.5, upper=2.0)")
-            for b in (self.lower, self.upper):
-                if b is not None and not b > 0:
-                    raise ValueError(f"{name}: ratio bounds must be > 0, got lower={self.lower} upper={self.upper}")
-            if self.lower is not None and self.upper is not None and not self.lower < self.upper:
-                raise ValueError(f"{name}: lower={self.lower} must be < upper={self.upper}")
-        else:
-            if self.lower is not None:
-                raise ValueError(f"{name}: lower={self.lower} is not used by {self.statistic} (a divergence >= 0); "
-                                 "set only upper")
-            if self.upper is None or not self.upper > 0:
-                raise ValueError(f"{name}: upper={self.upper} must be a positive bound on the statistic")
-
-    @property
-    def name(self) -> str:
-        return f"{self.level}_{self.statistic}"
-
-    @classmethod
-    def parse(cls, option: str, threshold: str) -> "RejectionRule":
-        """From a verl-style pair, e.g. ``("seq_max_k2", "2.5")`` or ``("token_k1", "0.6_1.6")``.
-
-        k1 thresholds ``"lo_hi"`` are read as bounds on ρ (see module docstring); a single float u means
-        [1/u, u], as in verl.
-        """
-        level, _, stat = option.rpartition("_")
-        if stat == "k1":
-            parts = [float(p) for p in str(threshold).split("_")]
-            lo, hi = (1.0 / parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1])
-            return cls(stat, level, lo, hi)
-        return cls(stat, level, None, float(threshold))
 
 
-@dataclass(frozen=True)
-class RolloutCorrectionConfig:
-    """Importance weights and rejection sampling for the rollout → trainer mismatch.
-
-    Attributes:
-        is_level: ``None`` (no weights), ``token`` or ``sequence``.
-        is_mode: ``truncate`` (w = min(ρ, is_upper)) or ``mask`` (w = ρ inside [is_lower, is_upper],
-            rejected outside).
-        is_upper: C (truncation cap, or the upper bound of the mask). verl default 2.0.
-        is_lower: lower bound of ``mask`` mode (``None`` = one-sided, the original MIS); unused by
-            ``truncate``.
-        is_batch_normalize: divide the weights by their mean over surviving tokens (token level) or
-            sequences (sequence level) of the whole step; skipped when that mean is <= 1e-8.
-        rejection: rules, AND-ed.
-    """
-
-    is_level: Optional[str] = None
-    is_mode: str = "truncate"
-    is_upper: float = 2.0
-    is_lower: Optional[float] = None
-    is_batch_normalize: bool = False
-    rejection: Tuple[RejectionRule, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.is_level not in (None, "token", "sequence"):
-            raise ValueError(f"RolloutCorrectionConfig.is_level={self.is_level!r} must be None, 'token' or 'sequence'")
-        if self.is_mode not in ("truncate", "mask"):
-            raise ValueError(f"RolloutCorrectionConfig.is_mode={self.is_mode!r} must be 'truncate' or 'mask'")
-        if not self.is_upper > 0:
-            raise ValueError(f"RolloutCorrectionConfig.is_upper={self.is_upper} must be > 0 (typical 2.0)")
-        if self.is_lower is not None:
-            if self.is_mode != "mask":
-                raise ValueError(f"RolloutCorrectionConfig.is_lower={self.is_lower} is only used with is_mode='mask'")
-            if not 0 <= self.is_lower < self.is_upper:
-                raise ValueError(f"RolloutCorrectionConfig.is_lower={self.is_lower} must be in [0, is_upper="
-                                 f"{self.is_upper})")
-        if self.is_batch_normalize and self.is_level is None:
-            raise ValueError("RolloutCorrectionConfig.is_batch_normalize=True needs is_level 'token' or 'sequence'")
-        rules = tuple(self.rejection)
-        if any(not isinstance(r, RejectionRule) for r in rules):
-            raise ValueError("RolloutCorrectionConfig.rejection must hold RejectionRule objects "
-                             "(RejectionRule.parse('seq_max_k2', '2.5') converts verl strings)")
-        object.__setattr__(self, "rejection", rules)
-
-    @property
-    def active(self) -> bool:
-        return self.is_level is not None or bool(self.rejection)
 
 
-PRESETS: Dict[str, RolloutCorrectionConfig] = {
-    "token_tis": RolloutCorrectionConfig(is_level="token", is_upper=2.0),
-    "seq_tis": RolloutCorrectionConfig(is_level="sequence", is_upper=2.0),
-    "icepop": RolloutCorrectionConfig(is_level="token", is_mode="mask", is_lower=0.5, is_upper=2.0),
-    "seq_mis": RolloutCorrectionConfig(is_level="sequence", is_mode="mask", is_lower=0.5, is_upper=2.0),
-    "geo_rs": RolloutCorrectionConfig(rejection=(RejectionRule("k1", "seq_mean", 0.999, 1.001),)),
-    "k3_rs": RolloutCorrectionConfig(rejection=(RejectionRule("k3", "seq_mean", upper=0.01),)),
-    "geo_rs_token_tis": RolloutCorrectionConfig(is_level="token", is_upper=2.0,
-                                                rejection=(RejectionRule("k1", "seq_mean", 0.999, 1.001),)),
-}
 
 
 @dataclass

@@ -23,33 +23,13 @@ from typing import Optional
 
 import torch
 
+from megatron_rl.config.objective import ROUTING_MASK_LEVELS as LEVELS  # noqa: F401
+from megatron_rl.config.objective import RoutingMaskConfig
 from megatron_rl.objectives.reduce import seq_sum_count
 
 Tensor = torch.Tensor
-LEVELS = ("token", "sequence")
 
 
-@dataclass(frozen=True)
-class RoutingMaskConfig:
-    """Routing-aware masking.
-
-    Attributes:
-        enabled: apply the mask (needs ``LossInputs.routing_disagreement``).
-        max_disagreement: the largest tolerated disagreement fraction, in ``[0, 1)`` (0: any differing
-            layer rejects).
-        level: ``token`` or ``sequence`` (see the module docstring).
-    """
-
-    enabled: bool = False
-    max_disagreement: float = 0.1
-    level: str = "sequence"
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.max_disagreement < 1.0:
-            raise ValueError(f"RoutingMaskConfig.max_disagreement={self.max_disagreement} must be in [0, 1) "
-                             "(1 would keep everything: disable the mask instead)")
-        if self.level not in LEVELS:
-            raise ValueError(f"RoutingMaskConfig.level={self.level!r} is not one of {LEVELS}")
 
 
 @dataclass

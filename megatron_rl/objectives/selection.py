@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.objectives.config import ObjectiveConfig
+from megatron_rl.config.objective import ObjectiveConfig
 from megatron_rl.objectives.divergence import SeqDivergenceStats, clamp_log_ratio, seq_divergence_stats
 from megatron_rl.objectives.dvp import out_of_set_keep
 from megatron_rl.objectives.records import LossInputs

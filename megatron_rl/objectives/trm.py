@@ -16,44 +16,16 @@ Rejected sequences contribute zero and still count in a ``total`` denominator (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
+from megatron_rl.config.objective import DIVERGENCES, TRMConfig  # noqa: F401
 from megatron_rl.objectives.divergence import SeqDivergenceStats
 from megatron_rl.ops import vocab_parallel_kl
 
 Tensor = torch.Tensor
-DIVERGENCES = ("auto", "exact", "sample")
 
 
-@dataclass(frozen=True)
-class TRMConfig:
-    """Trust Region Masking.
-
-    Attributes:
-        enabled: apply the sequence mask.
-        max_kl: δ of the max criterion (paper: 0.05).
-        avg_kl: δ_avg of the optional mean criterion (paper: 0.001); ``None`` disables it.
-        divergence: ``exact`` (needs ``LossInputs.rollout_kl``), ``sample`` (k2 / k3 from the sampled
-            token's log-ratio), or ``auto`` (exact when ``rollout_kl`` is given).
-        log_bounds: report the paper's bounds (classical, Pinsker-Marginal, Mixed, Coupling, min) for
-            this batch's divergences as metrics.
-    """
-
-    enabled: bool = False
-    max_kl: float = 0.05
-    avg_kl: Optional[float] = None
-    divergence: str = "auto"
-    log_bounds: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.max_kl > 0:
-            raise ValueError(f"TRMConfig.max_kl={self.max_kl} must be > 0 (paper: 0.05)")
-        if self.avg_kl is not None and not self.avg_kl > 0:
-            raise ValueError(f"TRMConfig.avg_kl={self.avg_kl} must be > 0 (paper: 0.001) or None")
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"TRMConfig.divergence={self.divergence!r} is not one of {DIVERGENCES}")
 
 
 def uses_exact(cfg: TRMConfig, has_exact: bool) -> bool:

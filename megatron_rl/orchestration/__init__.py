@@ -17,11 +17,15 @@
   batching.py        samples -> TrainBatch; the advantages phase; log-prob agreement metrics
   evaluate.py        held-out evaluation through the engines: pass@k (unbiased) and mean@k per dataset
   evaluate_model.py  ``megatron-rl eval``'s work: the same evaluation of an HF model or recipe, stand-alone
-  run.py             Run: a run's resources (start-up, resume, tear-down) and its phases
+  startup.py         a run's resources: data, reward workers, Ray, placement, trainer ranks, engines, clients
+  phases/            the phase objects: training, weight publishing, engine health, checkpoints, evaluation,
+                     profiling, the step's metrics line
+  run.py             Run: builds the resources and the phases at start-up (resume or step-0 check), tears down
   progress.py        progress bars for work inside Ray actors (micro-batches, forwards, weight sync)
   failures.py        run failures the user can act on (the CLI prints them without a traceback)
   signals.py         SIGTERM / SIGINT (SLURM preemption, timeout, kill) stop a run the way Ctrl-C does
   ray_guard.py       a parent-death guard for a run's local Ray
+  hooks.py           named points where tests inject faults (tests/fault_hooks.py registers them)
   driver.py          train(cfg): the loop, one named call per phase (``megatron-rl train``: megatron_rl.cli.train)
 
 Nothing here is imported by ``megatron_rl`` itself: Ray is only loaded by a run.

@@ -96,7 +96,7 @@ class AsyncRollouts(Rollouts):
 
     def _generate(self, index: int) -> None:
         a = self._admitted[index]
-        request = GenerateRequest(a.record.prompt_ids, a.params, return_routed_experts=self.phase.routed_experts)
+        request = GenerateRequest(a.record.prompt_ids, a.params, return_routed_experts=self.phase.routing_replay)
         try:
             with self.phase.meter.busy():
                 samples = self.phase.engine.generate([request])

@@ -1,11 +1,12 @@
-"""The RL loop: one named call per phase (the phases live in :mod:`megatron_rl.orchestration.run`).
+"""The RL loop: one named call per phase (the phase objects live in :mod:`megatron_rl.orchestration.phases`).
 
     rollout -> rewards -> dynamic-sampling filter        run.batches.next_batch (per rollout.mode, modes.py)
-    old / reference log-probs                            run.logprobs
-    advantages                                           run.advantages
-    train                                                run.train
-    weight sync                                          run.sync_weights, between run.batches.before/after_publish
-    evaluation, checkpoint, metrics line                 run.evaluate, run.checkpoint, run.log
+    the step's objective and passes, worked out once     run.training.plan
+    old / reference log-probs                            run.training.logprobs
+    advantages                                           run.training.advantages
+    train                                                run.training.train
+    weight sync                                          run.publisher.sync, between run.batches.before/after_publish
+    evaluation, checkpoint, metrics line                 run.evaluation.at, run.checkpoints.save, run.log.write
 
 ``rollout.mode``: ``sync`` generates each batch when its step starts; ``one_step`` generates the next step's
 batch while this step trains (one step stale); ``async`` generates continuously under the
@@ -17,17 +18,16 @@ by piece around the sync (``colocation.py``).
 SIGTERM/SIGINT stop the loop (:mod:`.signals`: at once, or after checkpointing the step with
 ``checkpoint.on_signal``). The loop warns about steps that changed nothing (no batch, a skipped optimizer
 step, an all-zero gradient) when they go on for ``logging.warn_no_update_steps`` steps, and about tokens
-the loss had to leave out as non-finite.
+the loss had to leave out as non-finite. Tests inject faults at the points named in :mod:`.hooks`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from typing import Dict, List, Optional, Tuple
 
 from megatron_rl.config import RunConfig
+from megatron_rl.orchestration import hooks
 from megatron_rl.orchestration.batching import train_batch
 from megatron_rl.orchestration.run import Run
 from megatron_rl.orchestration.signals import Interrupted, StopSignals
@@ -43,45 +43,39 @@ def train(cfg: RunConfig) -> List[Dict[str, float]]:
     with StopSignals(cfg.checkpoint.on_signal) as stop, Run(cfg) as run:
         first = {"time/startup": run.startup_seconds}
         if run.start_step == 0 and cfg.eval.interval:
-            history.append(run.log(0, {**first, **run.evaluate(0)}))  # the baseline, before any update
+            history.append(run.log.write(0, {**first, **run.evaluation.at(0)}))  # the baseline, before any update
             first = {}
         for step in range(run.start_step + 1, cfg.last_step + 1):
-            run.profile_start(step)  # profile.steps: torch-profiler traces of this step
+            run.profiler.start(step)  # profile.steps: torch-profiler traces of this step
             batch = run.batches.next_batch(step)  # rollout -> rewards -> dynamic-sampling filter
             metrics, first = {**first, **batch.metrics}, {}
             if batch.skipped:
                 logger.warning("step %d skipped: %s", step, batch.skipped)
                 metrics["train/skipped_empty_batch"] = 1.0
             else:
-                metrics.update(run.release_engines())
-                tb, fwd, m_logprobs = run.logprobs(train_batch(batch.groups, run.routing), step)
-                tb, m_adv = run.advantages(tb, fwd, batch, step)
-                metrics.update(m_logprobs, **m_adv, **run.train(tb, step))
+                plan = run.training.plan(step)
+                metrics.update(run.publisher.release_engines())
+                tb, fwd, m_logprobs = run.training.logprobs(train_batch(batch.groups, run.cluster.routing), plan)
+                tb, m_adv = run.training.advantages(tb, fwd, batch, plan)
+                metrics.update(m_logprobs, **m_adv, **run.training.train(tb, plan))
                 warn_numerics(step, metrics)
-                metrics.update(run.gain(tb, batch, step))  # diagnostics.gain: a forward under the new weights
+                metrics.update(run.training.gain(tb, batch, plan))  # diagnostics.gain: a forward under the new weights
             run.batches.before_publish(step)  # one_step: the next rollout is done; async: drained (or partial)
             if not batch.skipped:
-                metrics.update(run.sync_weights(step))  # colocated: also gives the engines their memory back
-            run.resume_engines()
+                metrics.update(run.publisher.sync(step))  # colocated: also gives the engines their memory back
+            run.publisher.resume_engines()
             run.batches.after_publish(step, synced=not batch.skipped)
-            metrics.update(run.evaluate(step))
+            metrics.update(run.evaluation.at(step))
             stopping = stop.requested is not None
-            saved = run.checkpoint(step, metrics, force=stopping)
-            _fault_point("after_checkpoint", step)
-            run.profile_stop(step)
-            history.append(run.log(step, metrics, batch))
+            saved = run.checkpoints.save(step, metrics, force=stopping)
+            hooks.fire("after_checkpoint", step=step)
+            run.profiler.stop(step)
+            history.append(run.log.write(step, metrics, batch))
             watch.update(step, metrics)
             if stopping:
                 raise Interrupted(stop.requested, checkpoint_step=step if saved else None)
     watch.summary()
     return history
-
-
-def _fault_point(name: str, step: int) -> None:
-    """Fault injection for the reliability tests (``tools/chaos.py``): ``MEGATRON_RL_FAULT=after_checkpoint:4``
-    kills the driver (SIGKILL) at that point of that step."""
-    if os.environ.get("MEGATRON_RL_FAULT") == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def warn_numerics(step: int, m: Dict[str, float]) -> None:

@@ -46,7 +46,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Sequence
 
 import ray
 
@@ -347,41 +347,3 @@ class EngineMonitor:
                 log.error("%s", error)
             self._cv.notify_all()
         self.engine.fail(self.error)
-
-
-# ---- fault injection (tests) ------------------------------------------------------------------------------
-
-KILL_ENV = "MEGATRON_RL_TEST_KILL_ENGINE"
-
-
-def kill_plan(value: Optional[str]) -> Dict[Tuple[int, str], List[int]]:
-    """The ``MEGATRON_RL_TEST_KILL_ENGINE`` variable, ``STEP:ENGINE[:PHASE][,...]``, -> {(step, phase): [engines]}:
-    SIGKILL engine ENGINE's server during step STEP's ``rollout`` (the default; once a request is in flight on it)
-    or right before its weight ``sync``."""
-    plan: Dict[Tuple[int, str], List[int]] = {}
-    for item in filter(None, (value or "").replace(" ", "").split(",")):
-        parts = item.split(":")
-        try:
-            step, engine = int(parts[0]), int(parts[1])
-            phase = parts[2] if len(parts) == 3 else "rollout" if len(parts) == 2 else ""
-        except (ValueError, IndexError):
-            phase = ""
-        if phase not in ("rollout", "sync"):
-            raise ValueError(f"{KILL_ENV}={value!r}: expected STEP:ENGINE[:rollout|sync][,...], e.g. 2:0 or 1:0:sync")
-        plan.setdefault((step, phase), []).append(engine)
-    return plan
-
-
-def kill_when_busy(engine: RemoteEngine, index: int, handle, timeout_s: float = 300.0) -> threading.Thread:
-    """SIGKILL server ``index`` (``handle.kill()``) as soon as a request is in flight on it: a crash mid-rollout."""
-    def run() -> None:
-        deadline = time.monotonic() + timeout_s
-        while engine.outstanding[index] == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        log.warning("fault injection: SIGKILL to engine %d's server (%d requests in flight on it)", index,
-                    engine.outstanding[index])
-        handle.kill()
-
-    thread = threading.Thread(target=run, name=f"kill-engine-{index}", daemon=True)
-    thread.start()
-    return thread

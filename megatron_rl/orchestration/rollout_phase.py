@@ -84,11 +84,11 @@ class RolloutPhase:
 
     def __init__(self, cfg: RolloutConfig, engine: RolloutEngine, tokenizer: Any, sampler: PromptSampler,
                  rewards: RewardRunner, *, seed: int, batch_unit: int, progress_bars: bool = True,
-                 routed_experts: bool = False):
+                 routing_replay: bool = False):
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.sampler, self.rewards = sampler, rewards
         self.seed, self.batch_unit = seed, batch_unit
-        self.progress_bars, self.routed_experts = progress_bars, routed_experts
+        self.progress_bars, self.routing_replay = progress_bars, routing_replay
         self.stop_ids = tuple(sorted(set(cfg.sampling.stop_token_ids) | {int(tokenizer.eos_token_id)}))
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="rollout")
         self.meter = BusyMeter()  # the engines' busy time, for perf/engine_idle_frac
@@ -110,7 +110,7 @@ class RolloutPhase:
     def generate(self, records: Sequence[PromptRecord], params: Sequence[SamplingParams],
                  desc: str = "rollout") -> List[List[Sample]]:
         """Each record's samples (one request per prompt, sent concurrently; a bar over requests)."""
-        requests = [GenerateRequest(r.prompt_ids, p, return_routed_experts=self.routed_experts)
+        requests = [GenerateRequest(r.prompt_ids, p, return_routed_experts=self.routing_replay)
                     for r, p in zip(records, params)]
         out: List[Optional[List[Sample]]] = [None] * len(requests)
         futures = {self._pool.submit(self.engine.generate, [req]): i for i, req in enumerate(requests)}

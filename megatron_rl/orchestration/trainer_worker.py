@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import parallel
-from megatron_rl.models.config import ModelConfig
+from megatron_rl.config.rollout import WeightSyncConfig
+from megatron_rl.config.train import OptimConfig, TrainConfig
+from megatron_rl.models.config import ModelConfig, torch_dtype
 from megatron_rl.models.weights import save_hf_checkpoint
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration.failures import identity
@@ -38,9 +40,7 @@ from megatron_rl.parallel import ParallelLayout
 from megatron_rl.profiling import Capture
 from megatron_rl.training import PolicyTrainer
 from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
-from megatron_rl.training.config import OptimConfig, TrainConfig
 from megatron_rl.training.offload import TrainerOffload, memory_snapshot, reset_peak
-from megatron_rl.weights.config import WeightSyncConfig
 
 
 @dataclass
@@ -109,7 +109,7 @@ class TrainerWorker(TrainerWeights):
         if self.rank == 0:  # the device's peak FLOP/s, for MFU (a table, or a matmul measured once here)
             from megatron_rl.perf import device_peak_flops
 
-            info.update(device_peak_flops(spec.model.torch_dtype))
+            info.update(device_peak_flops(torch_dtype(spec.model)))
         return info
 
     def set_progress(self, reporter) -> None:

@@ -15,7 +15,7 @@ from megatron_rl.routing.agreement import AgreementTracker, mismatch_metrics, mi
 from megatron_rl.routing.align import (
     RoutingLayout, attach_routes, check_route_checksums, routes_for_samples, sample_routes, token_checksum,
 )
-from megatron_rl.routing.config import RoutingDiagnosticsConfig
+from megatron_rl.config.sections import RoutingDiagnosticsConfig
 
 __all__ = [
     "FREE", "AgreementTracker", "RoutingDiagnosticsConfig", "RoutingLayout", "attach_routes", "check_route_checksums",

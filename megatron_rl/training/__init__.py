@@ -21,8 +21,8 @@
   offload.py     TrainerOffload: optimizer state + gradient buffers to host memory and back (colocated)
 """
 
+from megatron_rl.config.train import OptimConfig, TrainConfig
 from megatron_rl.training.batch import MicroBatch, TrainBatch, make_micro_batches
-from megatron_rl.training.config import OptimConfig, TrainConfig
 from megatron_rl.training.results import ForwardResult, StepResult
 from megatron_rl.training.trainer import PolicyTrainer
 

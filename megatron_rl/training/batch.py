@@ -20,11 +20,10 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from megatron_rl.objectives.records import BATCH_TOKEN_FIELDS, BatchTokens
 from megatron_rl.training.micro_batch import MicroBatch, make_micro_batches, num_micro_batches  # noqa: F401
 
 Tensor = torch.Tensor
-_TOKEN_FIELDS = ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "routing_disagreement",
-                 "policy_version")
 
 
 def _flat(v) -> list:
@@ -37,8 +36,9 @@ def _flat(v) -> list:
 
 
 @dataclass
-class TrainBatch:
-    """Sequences of one data-parallel rank for one optimizer step (or one forward pass).
+class TrainBatch(BatchTokens):
+    """Sequences of one data-parallel rank for one optimizer step (or one forward pass). The per-token fields
+    (``advantages`` ... ``policy_version``) are :class:`~megatron_rl.objectives.records.BatchTokens`'.
 
     Attributes:
         input_ids: ``[B, L]`` int64 prompt + response token ids, right-padded (any id beyond the length).
@@ -67,15 +67,9 @@ class TrainBatch:
     prompt_lengths: Tensor
     response_lengths: Tensor
     response_mask: Tensor
-    advantages: Optional[Tensor] = None
-    rollout_logprobs: Optional[Tensor] = None
-    old_logprobs: Optional[Tensor] = None
-    ref_logprobs: Optional[Tensor] = None
     routed_experts: Optional[Tensor] = None
     group_ids: Optional[Tensor] = None
     route_checksums: Optional[Tensor] = None
-    routing_disagreement: Optional[Tensor] = None
-    policy_version: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         ids = self.input_ids
@@ -109,7 +103,7 @@ class TrainBatch:
                              f"{int(self.response_lengths.max())} tokens")
         # Positions past a response's end are padding whatever the caller wrote there.
         self.response_mask = mask.bool() & (torch.arange(R)[None, :] < self.response_lengths[:, None])
-        for name in _TOKEN_FIELDS:
+        for name in BATCH_TOKEN_FIELDS:
             v = getattr(self, name)
             if v is not None:
                 if not isinstance(v, Tensor) or v.shape != (B, R):

@@ -29,8 +29,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_rl.objectives import LossInputs, Normalizer, ReduceGroups, pruned_token_stats, rl_loss
+from megatron_rl.objectives.records import batch_tokens
 from megatron_rl.training.batch import MicroBatch
-from megatron_rl.training.config import TrainConfig
+from megatron_rl.config.train import TrainConfig
 from megatron_rl.training.head import Head
 
 Tensor = torch.Tensor
@@ -115,11 +116,9 @@ def loss_inputs(stats: TokenStats, mb: MicroBatch) -> LossInputs:
     if mb.advantages is None:
         raise ValueError("a train step needs TrainBatch.advantages (per-token [B, R])")
     return LossInputs(
-        logprobs=stats.logprobs, mask=mb.response_mask, advantages=mb.advantages,
-        old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
+        logprobs=stats.logprobs, mask=mb.response_mask, **batch_tokens(mb),
         entropy=stats.entropy, sum_pi_squared=stats.sum_pi_squared, ref_kl=stats.ref_kl,
-        kept_mass=stats.kept_mass, target_kept=stats.target_kept, routing_disagreement=mb.routing_disagreement,
-        policy_version=mb.policy_version,
+        kept_mass=stats.kept_mass, target_kept=stats.target_kept,
     )
 
 
@@ -133,16 +132,12 @@ def normalizer_inputs(mb: MicroBatch, cfg: TrainConfig, current: Optional[Dict[s
     if mb.advantages is None:
         raise ValueError("a train step needs TrainBatch.advantages (per-token [B, R])")
     if current is not None:
-        return LossInputs(logprobs=current["logprobs"], mask=mb.response_mask, advantages=mb.advantages,
-                          old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs,
-                          ref_logprobs=mb.ref_logprobs, kept_mass=current.get("kept_mass"),
-                          target_kept=current.get("target_kept"), routing_disagreement=mb.routing_disagreement)
+        return LossInputs(logprobs=current["logprobs"], mask=mb.response_mask, **batch_tokens(mb),
+                          kept_mass=current.get("kept_mass"), target_kept=current.get("target_kept"))
     stand_in = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
     if stand_in is None:
         stand_in = torch.zeros_like(mb.advantages)
-    return LossInputs(logprobs=stand_in, mask=mb.response_mask, advantages=mb.advantages,
-                      old_logprobs=mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs,
-                      ref_logprobs=mb.ref_logprobs, routing_disagreement=mb.routing_disagreement)
+    return LossInputs(logprobs=stand_in, mask=mb.response_mask, **batch_tokens(mb))
 
 
 def normalizer_needs_current_policy(cfg: TrainConfig) -> bool:

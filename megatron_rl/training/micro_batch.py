@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 import torch
 
 from megatron_rl.models.packed_attention import zigzag_stream_columns
+from megatron_rl.objectives.records import BatchTokens, batch_tokens
 from megatron_rl.objectives.reduce import zigzag_split
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ Tensor = torch.Tensor
 
 
 @dataclass
-class MicroBatch:
+class MicroBatch(BatchTokens):
     """One micro-batch on one rank.
 
     ``rows`` index the parent batch (``n`` sequences). ``input_ids``, ``position_ids``, ``targets``
@@ -55,14 +56,8 @@ class MicroBatch:
     targets: Tensor
     logit_index: Tensor
     response_mask: Tensor
-    advantages: Optional[Tensor]
-    rollout_logprobs: Optional[Tensor]
-    old_logprobs: Optional[Tensor]
-    ref_logprobs: Optional[Tensor]
     routed_experts: Optional[Tensor]
     route_checksums: Optional[Tensor] = None
-    routing_disagreement: Optional[Tensor] = None
-    policy_version: Optional[Tensor] = None
     seq_length: int = 0
     real_tokens: int = 0
     cu_seqlens: Optional[Tensor] = None
@@ -208,17 +203,12 @@ def _micro_batch(batch: "TrainBatch", rows: Tensor, length: int, packed: bool, c
         ids, targets, positions = ids[:, cols], targets[:, cols], positions[:, cols]
         routed = None if routed is None else routed[:, cols]
 
-    def tok(name):
-        v = getattr(batch, name)
-        return None if v is None else v[rows, :r]
-
+    tokens = {name: None if v is None else v[rows, :r] for name, v in batch_tokens(batch).items()}
     return MicroBatch(
         rows=rows, input_ids=ids, position_ids=positions.contiguous(), targets=targets, logit_index=flat,
-        response_mask=mask, advantages=tok("advantages"), rollout_logprobs=tok("rollout_logprobs"),
-        old_logprobs=tok("old_logprobs"), ref_logprobs=tok("ref_logprobs"), routed_experts=routed,
+        response_mask=mask, routed_experts=routed,
         route_checksums=None if batch.route_checksums is None else batch.route_checksums[rows],
-        routing_disagreement=tok("routing_disagreement"), policy_version=tok("policy_version"), seq_length=length, real_tokens=int(lens.sum()),
-        **packed_fields,
+        seq_length=length, real_tokens=int(lens.sum()), **tokens, **packed_fields,
     )
 
 

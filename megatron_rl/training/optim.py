@@ -26,8 +26,8 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 
+from megatron_rl.config.train import OptimConfig
 from megatron_rl.training import fused_optim, nan_guard
-from megatron_rl.training.config import OptimConfig
 
 
 def build_ddp_and_optimizer(module, tconfig, cfg: OptimConfig):

@@ -38,7 +38,7 @@ from megatron_rl.objectives.reduce import broadcast_scalar, global_mean_response
 from megatron_rl.parallel import ParallelGroups
 from megatron_rl.training import head, loss_glue
 from megatron_rl.training.batch import MicroBatch, TrainBatch
-from megatron_rl.training.config import OptimConfig, TrainConfig
+from megatron_rl.config.train import OptimConfig, TrainConfig
 from megatron_rl.training.optim import build_ddp_and_optimizer, guarded_step, zero_grads
 from megatron_rl.training.pipeline import run_micro_batches
 from megatron_rl.training.results import ForwardResult, StepResult, merge_micro_batch_metrics

@@ -6,6 +6,6 @@
   links.py           per-rank links: each trainer rank sends its own pieces to the sender (no full gather)
   tensor_payload.py  SGLang's /update_weights_from_tensor payloads: tensors by handle (CUDA IPC / shm files)
   probe.py           the post-sync check: one probe sequence's log-probs, trainer vs engine
-  config.py          WeightSyncConfig (the run config's weight_sync section; light to import)
+  (config)           WeightSyncConfig, the run config's weight_sync section, is megatron_rl/config/rollout.py's
   sync.py            WeightSync: Megatron shards -> engine in size-bounded HF-named buckets, then the probe
 """

@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_rl.config.rollout import WeightSyncConfig  # noqa: F401 - imported from here too
 from megatron_rl.models import mapping
 from megatron_rl.models.weights import iter_hf_weights
 from megatron_rl.weights import links as weight_links
-from megatron_rl.weights.config import MiB, WeightSyncConfig  # noqa: F401 - imported from here too
 from megatron_rl.weights.group import dtype_from_name, dtype_name
 from megatron_rl.weights.probe import (  # noqa: F401 - the check's errors and records are the sync's API too
     ProbeCheck,
@@ -67,6 +67,7 @@ from megatron_rl.weights.probe import (  # noqa: F401 - the check's errors and r
 from megatron_rl.weights.receiver import WeightReceiver, receives_in_place, weights_dtype
 
 log = logging.getLogger(__name__)
+MiB = 1 << 20
 
 
 @dataclass

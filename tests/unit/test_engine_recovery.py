@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.config import RecoveryConfig
-from megatron_rl.orchestration.engine_health import EngineMonitor, EngineRecoveryError, kill_plan
+from megatron_rl.orchestration.engine_health import EngineMonitor, EngineRecoveryError
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
 from megatron_rl.rollout.client.balancer import RemoteEngine
 from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
@@ -23,6 +23,7 @@ from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.client.protocol import derive_seed
 from megatron_rl.weights.sync import compare_logprobs
 
+from fault_hooks import kill_plan
 from rollout_models import other_weights, tiny_qwen3
 
 FAST = RetryPolicy(max_attempts=2, backoff_s=0.05)

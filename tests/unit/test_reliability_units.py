@@ -285,7 +285,7 @@ def test_safetensors_problems(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from megatron_rl.config_files import safetensors_problem
+    from megatron_rl.config.files import safetensors_problem
 
     path = str(tmp_path / "m.safetensors")
     save_file({"w": torch.zeros(100)}, path)

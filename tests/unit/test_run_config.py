@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rl import cli, config_io
 from megatron_rl.config import RunConfig, load_run_config, resolve_mapping, build_run_config
-from megatron_rl.config_checks import check_run_config
+from megatron_rl.config.checks import check_run_config
 from megatron_rl.config_io import ConfigError
 
 from run_helpers import MOE_RECIPE, REPO, TINY_RECIPE, quick_assets, tiny_overrides
@@ -134,7 +134,7 @@ def test_rollout_modes_and_the_deprecated_off_policy_alias(assets, tmp_path, cap
     cfg = _load(assets, tmp_path, "rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true", disaggregated)
     assert (cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.partial) == ("async", 2, True)
     # async without decoupled PPO or a rollout correction runs, with a loud warning
-    from megatron_rl.config_checks import ASYNC_WARNING
+    from megatron_rl.config.checks import ASYNC_WARNING
 
     plain = ["train.objective.policy.mode=bypass", "train.objective.correction.is_level=null"]
     with pytest.warns(UserWarning, match=ASYNC_WARNING):

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import warnings
-from typing import List, Optional
+from typing import List
 
-import torch
-
-from megatron_rl.config import RunConfig
+import megatron_rl.config.files as files_checks
+from megatron_rl.config.run import RunConfig
 from megatron_rl.config_io import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -26,18 +24,17 @@ _GROUPED = ("grpo", "rloo", "reinforce_pp_baseline", "otb")
 def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
     """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
     and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
-    from megatron_rl.config_files import check_files
-
     problems: List[str] = []
-    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, _outputs, _profile] + ([_paths] if files else [])
+    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, files_checks.outputs, _profile] \
+        + ([files_checks.paths] if files else [])
     for check in checks:
         check(cfg, problems)
     if files:
-        check_files(cfg, problems)  # data, model files, reward import, writable outputs, resume, remote servers
+        files_checks.check_files(cfg, problems)  # data, model files, reward import, writable outputs, resume, remote servers
     _warn_uncorrected_async(cfg)
     if files and not problems:  # model-file checks only once the paths are known to exist
         try:
-            _model_files(cfg, problems)
+            files_checks.model_files(cfg, problems, _routing_fields(cfg))
         except Exception as e:  # noqa: BLE001 - transformers' error of a file we could not pre-check
             problems.append(f"model.hf_path={cfg.model.hf_path!r} / tokenizer {cfg.tokenizer_path!r} cannot be loaded "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the directory")
@@ -98,95 +95,26 @@ def _batch(cfg: RunConfig, out: List[str]) -> None:
     if r.dynamic_sampling and r.n_samples_per_prompt < 2:
         out.append("rollout.dynamic_sampling=true drops groups whose rewards are all equal, which every group of "
                    f"rollout.n_samples_per_prompt={r.n_samples_per_prompt} is; use >= 2 samples per prompt")
-    _token_budget(cfg, out)
-
-
-def _token_budget(cfg: RunConfig, out: List[str]) -> None:
-    """The longest sequence a run can produce must fit a micro-batch's token budget (per CP rank, after the
-    padding CP and sequence parallelism need)."""
-    from megatron_rl.training.micro_batch import packed_lengths, stream_multiple
-
-    p, t = cfg.parallel, cfg.train
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
-    sp = p.tp > 1 if cfg.model.sequence_parallel is None else cfg.model.sequence_parallel
-    multiple = stream_multiple(math.lcm(t.pad_to_multiple, (p.tp if sp else 1) * p.cp), p.cp)
-    stream = -(-int(packed_lengths(torch.tensor([longest]), p.cp)[0]) // multiple) * multiple
-    for name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
-        cap = getattr(t, name)
-        if cap and stream > cap * p.cp:
-            out.append(f"a sequence can reach data.max_prompt_tokens + rollout.sampling.max_new_tokens = {longest} "
-                       f"tokens ({stream} once padded for parallel.cp={p.cp} / tp), more than train.{name}={cap} x "
-                       f"parallel.cp={p.cp} = {cap * p.cp}; raise train.{name} to >= {-(-stream // p.cp)} or "
-                       "parallel.cp (the budget is per CP rank)")
-
-
-PROCESSED_MAX_SUPPORT = 4096  # SGLang 0.5.23's default --sampling-mask-max-tokens
+    files_checks.token_budget(cfg, out)
 
 
 def _rollout(cfg: RunConfig, out: List[str]) -> None:
+    """The rollout section's own problems, then the rules that read other sections too."""
     r, p = cfg.rollout, cfg.parallel
-    if r.engine == "remote" and not r.urls:
-        out.append("rollout.engine='remote' needs rollout.urls (e.g. [http://host:30000]) of running servers")
-    if r.engine != "remote" and r.urls:
-        out.append(f"rollout.urls={r.urls} is only used with rollout.engine='remote' (engine is {r.engine!r}); "
-                   "remove urls or set engine: remote")
-    for name in ("max_concurrency", "max_samples_in_flight"):
-        if getattr(r, name) < 1:
-            out.append(f"rollout.{name}={getattr(r, name)} must be >= 1 (requests in flight; e.g. 64 / 256)")
-    if r.overlapped and r.placement == "colocated":
-        out.append(f"rollout.mode={r.mode!r} generates while the trainer trains, but rollout.placement='colocated' "
-                   "engines share the trainer's devices and release their memory while it runs, so nothing can "
-                   "overlap; set rollout.placement=disaggregated (or rollout.mode=sync)")
+    out.extend(r.problems())
     if r.placement == "colocated" and r.engine == "embedded" and r.num_engines > p.world_size:
         out.append(f"rollout.num_engines={r.num_engines} colocated engines need as many trainer bundles, but "
                    f"parallel.world_size={p.world_size}; lower num_engines or use placement=disaggregated")
-    if r.transport == "ipc" and r.placement != "colocated":
-        out.append("rollout.weight_transport='ipc' hands each engine TP rank a handle to the memory of the trainer "
-                   "rank on its GPU: it needs rollout.placement=colocated (disaggregated engines: 'distributed')")
-    if r.transport == "ipc" and r.engine == "remote":
-        out.append("rollout.weight_transport='ipc' needs engines this run places beside its trainer ranks (engine "
-                   "'sglang' or 'embedded'); remote servers take 'distributed'")
-    if r.offload_trainer and r.placement != "colocated":
-        out.append("rollout.offload_trainer=true frees the trainer's GPU memory for colocated engines, but "
-                   "rollout.placement='disaggregated' engines have their own GPUs; set offload_trainer=false")
     if r.engine == "sglang":
         if r.placement == "colocated":
             _colocated_sglang(cfg, out)
-        if r.weight_transport == "tensor":
-            out.append("rollout.weight_transport='tensor' sends safetensors buckets, which only the embedded server "
-                       "accepts; use 'distributed' (or 'auto') with SGLang")
         if r.placement == "disaggregated" and cfg.cluster.gpus_per_engine != r.sglang.tp_size:
             out.append(f"cluster.gpus_per_engine={cfg.cluster.gpus_per_engine} but each SGLang server uses "
                        f"rollout.sglang.tp_size={r.sglang.tp_size} GPUs; make them equal")
-    if r.engine in ("sglang", "remote") and r.weight_transport == "tensor":
-        out.append(f"rollout.weight_transport='tensor' sends the embedded server's safetensors buckets, which SGLang "
-                   f"refuses (engine={r.engine!r}); use 'distributed' (or 'auto')")
-    if r.seeded and not r.deterministic_inference:
-        out.append("rollout.seeded=true needs engines that honour sampling_seed, which SGLang does only with "
-                   "--enable-deterministic-inference, but rollout.deterministic_inference=false; set it to true (or "
-                   "leave it unset) or set rollout.seeded=false")
-    if r.deterministic_inference and r.sampling.min_p > 0:
-        out.append(f"rollout.sampling.min_p={r.sampling.min_p} with deterministic inference (rollout.seeded / "
-                   "rollout.deterministic_inference): SGLang's seeded sampler asserts on min_p > 0 "
-                   "(srt/layers/sampler.py); set min_p=0 (top_k / top_p still filter) or rollout.seeded=false and "
-                   "rollout.deterministic_inference=false")
-    if r.logprob_mode == "processed" and r.sampling.filtered and not 1 <= r.sampling.top_k <= PROCESSED_MAX_SUPPORT:
-        out.append(f"rollout.logprob_mode='processed' reads SGLang's output_token_sampling_logprobs, and SGLang aborts "
-                   f"every request whose sampling support exceeds --sampling-mask-max-tokens ({PROCESSED_MAX_SUPPORT}); "
-                   f"rollout.sampling.top_k={r.sampling.top_k} does not bound it: set top_k to at most "
-                   f"{PROCESSED_MAX_SUPPORT} (e.g. 1024)")
-    ws = r.weight_sync
-    if r.engine == "embedded" and r.embedded_dtype == "bfloat16" and ws.check and ws.check_tolerance is not None \
-            and ws.check_tolerance < 0.1:
-        out.append(f"rollout.embedded_dtype='bfloat16' engines differ from the fp32 trainer by ~0.02-0.08 in probe "
-                   f"log-probs, above rollout.weight_sync.check_tolerance={ws.check_tolerance:g}; set it to 0.25 or leave "
-                   "it unset (bf16 engines are then checked on the mean |diff|, 0.1, and max 1.0)")
     t_roll, t_train = r.sampling.temperature, cfg.train.temperature
     if t_roll != t_train:
         out.append(f"rollout.sampling.temperature={t_roll} and train.temperature={t_train} differ: the trainer must "
                    "score tokens under the distribution they were sampled from; set both to the same value")
-    if not t_roll > 0:
-        out.append(f"rollout.sampling.temperature={t_roll}: RL rollouts must sample (> 0); greedy is for eval.greedy")
 
 
 def _colocated_sglang(cfg: RunConfig, out: List[str]) -> None:
@@ -285,76 +213,3 @@ def _eval(cfg: RunConfig, out: List[str]) -> None:
         except ImportError:
             out.append("logging.wandb=true but wandb is not installed: `pip install wandb` (and `wandb login`), or "
                        "set logging.wandb=false")
-
-
-def _hf_dir(path: Optional[str], field: str, out: List[str]) -> None:
-    if path is None:
-        return
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        out.append(f"{field}={path!r} is not a local HF checkpoint directory (config.json + *.safetensors; cwd "
-                   f"{os.getcwd()}); download one, e.g. `huggingface-cli download Qwen/Qwen3-4B --local-dir {path}`")
-
-
-def _paths(cfg: RunConfig, out: List[str]) -> None:
-    _hf_dir(cfg.model.hf_path, "model.hf_path", out)
-    if cfg.train.reference_model is not None:
-        where = "warmup.teacher" if cfg.warmup.teacher else "train.reference_model.hf_path"
-        _hf_dir(cfg.train.reference_model.hf_path, where, out)
-    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
-        out.append(f"tokenizer={cfg.tokenizer!r} is not a directory (cwd {os.getcwd()}); point it at a saved HF "
-                   "tokenizer or remove it to use model.hf_path's")
-    fn = cfg.reward.custom_fn
-    if fn:
-        target = fn.rsplit(":", 1)[0]
-        if target.endswith(".py") and not os.path.isfile(target):
-            out.append(f"reward.custom_fn={fn!r}: file {target!r} does not exist (cwd {os.getcwd()})")
-
-
-def _outputs(cfg: RunConfig, out: List[str]) -> None:
-    from megatron_rl.training.checkpoint import CheckpointConfig, list_checkpoints
-
-    c = cfg.checkpoint
-    try:
-        CheckpointConfig(root=cfg.checkpoint_root, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
-                         optimizer_format=c.optimizer_format)
-    except ValueError as e:
-        out.append(str(e))
-    if not cfg.resume and not cfg.overwrite and list_checkpoints(cfg.checkpoint_root):
-        out.append(f"{cfg.checkpoint_root} already holds checkpoints of a run: pass resume=true to continue it, "
-                   f"overwrite=true to start over (deletes them), or another logging.output_dir")
-
-
-def _model_files(cfg: RunConfig, out: List[str]) -> None:
-    """Vocabulary vs tokenizer, lengths vs context, model vs parallel sizes (reads config.json + tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from megatron_rl.models.config import HFArch, check_divisibility
-
-    arch = HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path))
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-    if len(tok) > arch.vocab_size:
-        out.append(f"the tokenizer at {cfg.tokenizer_path!r} has {len(tok)} tokens but model.hf_path's vocab_size is "
-                   f"{arch.vocab_size}: token ids would fall outside the embedding; use the model's own tokenizer")
-    if tok.eos_token_id is None:
-        out.append(f"the tokenizer at {cfg.tokenizer_path!r} has no eos_token: responses could not stop")
-    ref = cfg.train.reference_model
-    if ref is not None:
-        ref_arch = HFArch.from_hf(AutoConfig.from_pretrained(ref.hf_path))
-        if ref_arch.vocab_size != arch.vocab_size:
-            out.append(f"the reference/teacher model {ref.hf_path!r} has vocab_size {ref_arch.vocab_size}, the policy "
-                       f"{arch.vocab_size}: the per-token KL needs the same vocabulary")
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
-    if longest > arch.max_position_embeddings:
-        out.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_tokens} + "
-                   f"{cfg.rollout.sampling.max_new_tokens} = {longest} exceeds the model's max_position_embeddings="
-                   f"{arch.max_position_embeddings}; lower one of them")
-    try:
-        check_divisibility(arch, cfg.parallel.layout)
-    except ValueError as e:
-        out.append(f"parallel (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, ep={cfg.parallel.ep}) does not fit "
-                   f"model.hf_path: {e}")
-    routing = _routing_fields(cfg)
-    if routing and not arch.is_moe:
-        out.append(f"{' and '.join(f + '=true' for f in routing)} but model.hf_path={cfg.model.hf_path!r} is a dense "
-                   f"{arch.model_type!r} model (no experts to route); set {' and '.join(routing)} to false, or use an "
-                   "MoE model (e.g. the tiny recipe's prepare.model=qwen3_moe)")

@@ -1,4 +1,4 @@
-"""Checks of what a run config points at, run by :func:`~megatron_rl.config_checks.check_run_config` (so by
+"""Checks of what a run config points at, run by :func:`~megatron_rl.config.checks.check_run_config` (so by
 ``--dry-run``) before anything starts: each problem one line naming the file or field, the value and the fix.
 
 * prompt tables (``data``, ``eval.data``): readable, not empty, every row with the configured columns;
@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import http.client
 import json
+import math
 import os
 import struct
 import tempfile
@@ -23,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import List, Optional
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.run import RunConfig
 
 
 def check_files(cfg: RunConfig, out: List[str]) -> None:
@@ -62,7 +63,7 @@ def safetensors_problem(path: str) -> Optional[str]:
 
 def _model_dir(path: Optional[str], field: str, out: List[str]) -> None:
     if path is None or not os.path.isdir(path):
-        return  # reported by config_checks._paths
+        return  # reported by paths() below
     try:
         with open(os.path.join(path, "config.json")) as f:
             json.load(f)
@@ -100,7 +101,7 @@ def _reward(cfg: RunConfig, out: List[str]) -> None:
         return
     target = cfg.reward.custom_fn.rsplit(":", 1)[0]
     if target.endswith(".py") and not os.path.isfile(target):
-        return  # reported by config_checks._paths
+        return  # reported by paths() below
     from megatron_rl.data.rewards.resolve import load_custom_fn
 
     try:
@@ -214,3 +215,99 @@ def _remote_deterministic(i: int, url: str, out: List[str]) -> None:
                    f"rollout.deterministic_inference), but {why}; start the server with "
                    "--enable-deterministic-inference, or set rollout.seeded=false and "
                    "rollout.deterministic_inference=false")
+
+
+# ---- checks moved out of the pure rules: they read files or need the training code ----------------------
+
+def token_budget(cfg: RunConfig, out: List[str]) -> None:
+    """The longest sequence a run can produce must fit a micro-batch's token budget (per CP rank, after the
+    padding CP and sequence parallelism need)."""
+    import torch  # the training code's own padding rules; heavy, so only when checking
+
+    from megatron_rl.training.micro_batch import packed_lengths, stream_multiple
+
+    p, t = cfg.parallel, cfg.train
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    sp = p.tp > 1 if cfg.model.sequence_parallel is None else cfg.model.sequence_parallel
+    multiple = stream_multiple(math.lcm(t.pad_to_multiple, (p.tp if sp else 1) * p.cp), p.cp)
+    stream = -(-int(packed_lengths(torch.tensor([longest]), p.cp)[0]) // multiple) * multiple
+    for name in ("max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch"):
+        cap = getattr(t, name)
+        if cap and stream > cap * p.cp:
+            out.append(f"a sequence can reach data.max_prompt_tokens + rollout.sampling.max_new_tokens = {longest} "
+                       f"tokens ({stream} once padded for parallel.cp={p.cp} / tp), more than train.{name}={cap} x "
+                       f"parallel.cp={p.cp} = {cap * p.cp}; raise train.{name} to >= {-(-stream // p.cp)} or "
+                       "parallel.cp (the budget is per CP rank)")
+
+
+def _hf_dir(path: Optional[str], field: str, out: List[str]) -> None:
+    if path is None:
+        return
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        out.append(f"{field}={path!r} is not a local HF checkpoint directory (config.json + *.safetensors; cwd "
+                   f"{os.getcwd()}); download one, e.g. `huggingface-cli download Qwen/Qwen3-4B --local-dir {path}`")
+
+
+def paths(cfg: RunConfig, out: List[str]) -> None:
+    _hf_dir(cfg.model.hf_path, "model.hf_path", out)
+    if cfg.train.reference_model is not None:
+        where = "warmup.teacher" if cfg.warmup.teacher else "train.reference_model.hf_path"
+        _hf_dir(cfg.train.reference_model.hf_path, where, out)
+    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
+        out.append(f"tokenizer={cfg.tokenizer!r} is not a directory (cwd {os.getcwd()}); point it at a saved HF "
+                   "tokenizer or remove it to use model.hf_path's")
+    fn = cfg.reward.custom_fn
+    if fn:
+        target = fn.rsplit(":", 1)[0]
+        if target.endswith(".py") and not os.path.isfile(target):
+            out.append(f"reward.custom_fn={fn!r}: file {target!r} does not exist (cwd {os.getcwd()})")
+
+
+def outputs(cfg: RunConfig, out: List[str]) -> None:
+    from megatron_rl.training.checkpoint import CheckpointConfig, list_checkpoints
+
+    c = cfg.checkpoint
+    try:
+        CheckpointConfig(root=cfg.checkpoint_root, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
+                         optimizer_format=c.optimizer_format)
+    except ValueError as e:
+        out.append(str(e))
+    if not cfg.resume and not cfg.overwrite and list_checkpoints(cfg.checkpoint_root):
+        out.append(f"{cfg.checkpoint_root} already holds checkpoints of a run: pass resume=true to continue it, "
+                   f"overwrite=true to start over (deletes them), or another logging.output_dir")
+
+
+def model_files(cfg: RunConfig, out: List[str], routing: List[str]) -> None:
+    """Vocabulary vs tokenizer, lengths vs context, model vs parallel sizes (reads config.json + tokenizer);
+    ``routing``: the routing-replay switches that are on (they need an MoE model)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_rl.models.config import HFArch, check_divisibility
+
+    arch = HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path))
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+    if len(tok) > arch.vocab_size:
+        out.append(f"the tokenizer at {cfg.tokenizer_path!r} has {len(tok)} tokens but model.hf_path's vocab_size is "
+                   f"{arch.vocab_size}: token ids would fall outside the embedding; use the model's own tokenizer")
+    if tok.eos_token_id is None:
+        out.append(f"the tokenizer at {cfg.tokenizer_path!r} has no eos_token: responses could not stop")
+    ref = cfg.train.reference_model
+    if ref is not None:
+        ref_arch = HFArch.from_hf(AutoConfig.from_pretrained(ref.hf_path))
+        if ref_arch.vocab_size != arch.vocab_size:
+            out.append(f"the reference/teacher model {ref.hf_path!r} has vocab_size {ref_arch.vocab_size}, the policy "
+                       f"{arch.vocab_size}: the per-token KL needs the same vocabulary")
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
+    if longest > arch.max_position_embeddings:
+        out.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {cfg.data.max_prompt_tokens} + "
+                   f"{cfg.rollout.sampling.max_new_tokens} = {longest} exceeds the model's max_position_embeddings="
+                   f"{arch.max_position_embeddings}; lower one of them")
+    try:
+        check_divisibility(arch, cfg.parallel.layout)
+    except ValueError as e:
+        out.append(f"parallel (tp={cfg.parallel.tp}, pp={cfg.parallel.pp}, ep={cfg.parallel.ep}) does not fit "
+                   f"model.hf_path: {e}")
+    if routing and not arch.is_moe:
+        out.append(f"{' and '.join(f + '=true' for f in routing)} but model.hf_path={cfg.model.hf_path!r} is a dense "
+                   f"{arch.model_type!r} model (no experts to route); set {' and '.join(routing)} to false, or use an "
+                   "MoE model (e.g. the tiny recipe's prepare.model=qwen3_moe)")

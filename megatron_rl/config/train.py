@@ -12,10 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Tuple
 
+from megatron_rl.config.objective import ObjectiveConfig
+from megatron_rl.config.sections import ModelConfig, RoutingDiagnosticsConfig
 from megatron_rl.lr_schedules import LRScheduleConfig
-from megatron_rl.models.config import ModelConfig
-from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.routing.config import RoutingDiagnosticsConfig
 
 _DEFAULT_SCHEDULE_LR = LRScheduleConfig().lr
 
@@ -177,8 +176,7 @@ class TrainConfig:
 
     @property
     def needs_reference_logits(self) -> bool:
-        o = self.objective
-        return o.dense_kl.beta > 0 or (o.kl_penalty.in_loss and o.kl_penalty.estimator == "exact")
+        return self.objective.needs_reference_logits
 
     @property
     def dvp_min_p(self) -> Optional[float]:
