@@ -245,7 +245,8 @@ def _hf_dir(path: Optional[str], field: str, out: List[str]) -> None:
         return
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         out.append(f"{field}={path!r} is not a local HF checkpoint directory (config.json + *.safetensors; cwd "
-                   f"{os.getcwd()}); download one, e.g. `huggingface-cli download Qwen/Qwen3-4B --local-dir {path}`")
+                   f"{os.getcwd()}); download one there: `huggingface-cli download ORG/{os.path.basename(os.path.normpath(path))} "
+                   f"--local-dir {path}` (ORG: the model's publisher, e.g. Qwen)")
 
 
 def paths(cfg: RunConfig, out: List[str]) -> None:
