@@ -331,7 +331,7 @@ def _other_model_checkpoint(work: str, a: Dict[str, str], same_model: bool = Fal
 
     import torch
 
-    from megatron_rl.config import load_run_config
+    from megatron_rl.preflight import load_run_config
 
     out = os.path.join(work, "othermodel")
     path = os.path.join(out, "checkpoints", "iter_0000002")

@@ -46,7 +46,8 @@ def _setup_logging(level: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # the config (torch), the driver (Ray, Megatron) load only when it runs: --help and argument errors stay instant
-    from megatron_rl.config import dump_yaml, load_run_config
+    from megatron_rl.config import dump_yaml
+    from megatron_rl.preflight import load_run_config
 
     _setup_logging(args.log_level)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):

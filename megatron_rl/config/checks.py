@@ -1,45 +1,35 @@
 """Cross-field checks of a :class:`~megatron_rl.config.RunConfig`, run before anything starts.
 
-Each section already validated itself when it was built; what is left needs several sections at once
-or the files they name (the HF config, the tokenizer). Every problem is collected, then all are raised
-together in one :class:`~megatron_rl.config_io.ConfigError`, each naming the fields, their values and
-what would fix it — a user fixes a recipe in one round trip instead of one error per launch.
+Each section already validated itself when it was built; what is left needs several sections at once, or
+that the paths they name exist. Every problem is collected; :mod:`megatron_rl.preflight` adds the checks that
+read those files or need the training code (this package imports neither) and raises all of them together in
+one :class:`~megatron_rl.config_io.ConfigError`, each naming the fields, their values and what would fix it —
+a user fixes a recipe in one round trip instead of one error per launch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
-from typing import List
+from typing import List, Optional
 
-import megatron_rl.config.files as files_checks
 from megatron_rl.config.run import RunConfig
-from megatron_rl.config_io import ConfigError
 
 logger = logging.getLogger(__name__)
 _GROUPED = ("grpo", "rloo", "reinforce_pp_baseline", "otb")
 
 
-def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
-    """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
-    and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
+def rule_problems(cfg: RunConfig, *, files: bool = True) -> List[str]:
+    """Every problem of the rules across sections (and, unless ``files=False``, of paths that do not exist).
+    What reads the files or needs the training code is :mod:`megatron_rl.preflight`'s, which adds its
+    problems to these and raises them together."""
     problems: List[str] = []
-    checks = [_parallel, _batch, _rollout, _objective, _warmup, _eval, files_checks.outputs, _profile] \
-        + ([files_checks.paths] if files else [])
-    for check in checks:
+    for check in [_parallel, _batch, _rollout, _objective, _warmup, _eval, _profile] + ([_paths] if files else []):
         check(cfg, problems)
-    if files:
-        files_checks.check_files(cfg, problems)  # data, model files, reward import, writable outputs, resume, remote servers
     _warn_uncorrected_async(cfg)
-    if files and not problems:  # model-file checks only once the paths are known to exist
-        try:
-            files_checks.model_files(cfg, problems, _routing_fields(cfg))
-        except Exception as e:  # noqa: BLE001 - transformers' error of a file we could not pre-check
-            problems.append(f"model.hf_path={cfg.model.hf_path!r} / tokenizer {cfg.tokenizer_path!r} cannot be loaded "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the directory")
-    if problems:
-        raise ConfigError(problems)
+    return problems
 
 
 def _profile(cfg: RunConfig, out: List[str]) -> None:
@@ -95,7 +85,6 @@ def _batch(cfg: RunConfig, out: List[str]) -> None:
     if r.dynamic_sampling and r.n_samples_per_prompt < 2:
         out.append("rollout.dynamic_sampling=true drops groups whose rewards are all equal, which every group of "
                    f"rollout.n_samples_per_prompt={r.n_samples_per_prompt} is; use >= 2 samples per prompt")
-    files_checks.token_budget(cfg, out)
 
 
 def _rollout(cfg: RunConfig, out: List[str]) -> None:
@@ -156,7 +145,7 @@ def _objective(cfg: RunConfig, out: List[str]) -> None:
         out.append("train.objective.routing_mask.enabled=true compares the trainer's routing with the engine's, but "
                    "the run asks the engines for their expert choices only with train.routing_replay=true; set "
                    "train.routing_replay=true or disable the mask")
-    routing = _routing_fields(cfg)
+    routing = routing_fields(cfg)
     if routing and not cfg.model.routing_replay:
         out.append(f"{' and '.join(f + '=true' for f in routing)} but model.routing_replay=false builds the routers "
                    "without Megatron's RouterReplay, which replay and the mask read; set model.routing_replay=true")
@@ -179,7 +168,7 @@ def _warn_uncorrected_async(cfg: RunConfig) -> None:
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _routing_fields(cfg: RunConfig) -> List[str]:
+def routing_fields(cfg: RunConfig) -> List[str]:
     """The enabled fields that need an MoE model with router access."""
     return [f for f, on in (("train.routing_replay", cfg.train.routing_replay),
                             ("train.objective.routing_mask.enabled", cfg.train.objective.routing_mask.enabled)) if on]
@@ -213,3 +202,27 @@ def _eval(cfg: RunConfig, out: List[str]) -> None:
         except ImportError:
             out.append("logging.wandb=true but wandb is not installed: `pip install wandb` (and `wandb login`), or "
                        "set logging.wandb=false")
+
+
+def _hf_dir(path: Optional[str], field: str, out: List[str]) -> None:
+    if path is None:
+        return
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        out.append(f"{field}={path!r} is not a local HF checkpoint directory (config.json + *.safetensors; cwd "
+                   f"{os.getcwd()}); download one there: `huggingface-cli download ORG/{os.path.basename(os.path.normpath(path))} "
+                   f"--local-dir {path}` (ORG: the model's publisher, e.g. Qwen)")
+
+
+def _paths(cfg: RunConfig, out: List[str]) -> None:
+    _hf_dir(cfg.model.hf_path, "model.hf_path", out)
+    if cfg.train.reference_model is not None:
+        where = "warmup.teacher" if cfg.warmup.teacher else "train.reference_model.hf_path"
+        _hf_dir(cfg.train.reference_model.hf_path, where, out)
+    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
+        out.append(f"tokenizer={cfg.tokenizer!r} is not a directory (cwd {os.getcwd()}); point it at a saved HF "
+                   "tokenizer or remove it to use model.hf_path's")
+    fn = cfg.reward.custom_fn
+    if fn:
+        target = fn.rsplit(":", 1)[0]
+        if target.endswith(".py") and not os.path.isfile(target):
+            out.append(f"reward.custom_fn={fn!r}: file {target!r} does not exist (cwd {os.getcwd()})")

@@ -1,19 +1,17 @@
-"""Recipe + overrides -> a checked :class:`RunConfig`, and the resolved config back to YAML."""
+"""Recipe + overrides -> a :class:`RunConfig` (each section validated as it is built), and the resolved config
+back to YAML. :func:`megatron_rl.preflight.load_run_config` adds the generated assets and every check."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import yaml
 
 from megatron_rl import config_io
-from megatron_rl.config.checks import check_run_config
 from megatron_rl.config.rollout import ALIASES as ROLLOUT_ALIASES
 from megatron_rl.config.rollout import normalize_keys as normalize_rollout_keys
-from megatron_rl.config.run import PrepareConfig, RunConfig
-from megatron_rl.data.config import deferred_path_checks
+from megatron_rl.config.run import RunConfig
 
 
 def _strip_root(message: str) -> str:
@@ -67,34 +65,6 @@ def build_run_config(mapping: Mapping[str, Any]) -> RunConfig:
         return config_io.build(RunConfig, mapping)
     except config_io.ConfigError as e:
         raise config_io.ConfigError([_strip_root(p) for p in e.problems]) from None
-
-
-def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, prepare: bool = True,
-                    check: bool = True) -> RunConfig:
-    """Recipe + overrides -> a checked :class:`RunConfig` (raises :class:`config_io.ConfigError`).
-
-    ``prepare`` first builds generated assets the recipe names (``prepare.kind``), because the data and
-    model sections check that their paths exist.
-    """
-    mapping = resolve_mapping(recipe, overrides)
-    if prepare:
-        try:
-            prep = config_io.build(PrepareConfig, mapping.get("prepare") or {}, "prepare")
-        except config_io.ConfigError as e:
-            raise config_io.ConfigError(str(e)) from None
-        if prep.kind == "tiny_arithmetic":
-            from megatron_rl.data.tiny_task import prepare_tiny_arithmetic  # torch: only when assets are made
-
-            try:
-                prepare_tiny_arithmetic(prep.dir, seed=prep.seed, model=prep.model)
-            except ValueError as e:  # e.g. the directory holds the other model kind's assets
-                raise config_io.ConfigError(str(e)) from None
-    # checked: a missing data file is listed with every other problem (check_run_config), not alone
-    with deferred_path_checks() if check else contextlib.nullcontext():
-        cfg = build_run_config(mapping)
-    if check:
-        check_run_config(cfg)
-    return cfg
 
 
 def dump_yaml(cfg: RunConfig) -> str:

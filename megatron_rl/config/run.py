@@ -1,11 +1,12 @@
 """The run's config tree: one typed :class:`RunConfig` composing every component's own section.
 
 A recipe (YAML) mirrors the tree; any field can be overridden on the command line with a dotted
-``key=value`` (``rollout.n_samples_per_prompt=8``). :func:`load_run_config` reads, merges, builds (each
-section validates itself on construction, errors name the dotted path), prepares generated assets
-(the tiny recipe's model, tokenizer and data) and then runs the cross-field checks of
-:mod:`megatron_rl.config.checks` — batch divisibility, parallel sizes vs world size, vocabulary vs
-tokenizer, paths — reporting every problem at once, each with the fields, their values and a fix.
+``key=value`` (``rollout.n_samples_per_prompt=8``). :func:`megatron_rl.preflight.load_run_config` reads,
+merges, prepares generated assets (the tiny recipe's model, tokenizer and data), builds (each section
+validates itself on construction, errors name the dotted path) and then runs the cross-field rules of
+:mod:`megatron_rl.config.checks` (batch divisibility, parallel sizes vs world size, paths) with its own checks
+of what the config points at (files, vocabulary vs tokenizer, checkpoints), reporting every problem at once,
+each with the fields, their values and a fix.
 
 Each component receives only its section: the trainer ``model``/``train``/``optim``, the reward
 runner ``reward``, the sampler ``data``, the engines ``rollout``. Nothing threads the whole tree.

@@ -23,7 +23,7 @@ from typing import Any, Dict, Mapping, Optional
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_rl import config_io
-from megatron_rl.config import EvalConfig, RolloutConfig, load_run_config
+from megatron_rl.config import EvalConfig, RolloutConfig
 from megatron_rl.config_io import ConfigError
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.rewards.config import RewardConfig
@@ -31,6 +31,7 @@ from megatron_rl.data.rewards.runner import RewardRunner
 from megatron_rl.orchestration.engine_worker import EngineSpec, EngineWorker
 from megatron_rl.orchestration.evaluate import Evaluator
 from megatron_rl.orchestration.rollout_phase import RolloutPhase
+from megatron_rl.preflight import load_run_config
 from megatron_rl.rollout.client.balancer import RemoteEngine
 from megatron_rl.rollout.client.http_client import SGLangClient
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.config import build_run_config, resolve_mapping
-from megatron_rl.config.checks import check_run_config
+from megatron_rl.preflight import check_run_config
 from megatron_rl.config_io import ConfigError
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration.colocation import Colocation

@@ -195,7 +195,7 @@ def test_no_update_watch_and_numerics_warnings(caplog):
 
 
 def test_failed_start_leaves_the_output_directory_alone(tmp_path, monkeypatch):
-    from megatron_rl.config import load_run_config
+    from megatron_rl.preflight import load_run_config
     from megatron_rl.orchestration.run import Run
 
     a = quick_assets(tmp_path / "assets")
@@ -217,7 +217,7 @@ def test_failed_start_leaves_the_output_directory_alone(tmp_path, monkeypatch):
 
 def test_overwrite_removes_every_output_of_the_earlier_run(tmp_path):
     """overwrite=true: no report/ or hf_final/ of the earlier run is left beside the new run's metrics."""
-    from megatron_rl.config import load_run_config
+    from megatron_rl.preflight import load_run_config
     from megatron_rl.orchestration.run import Run
 
     a = quick_assets(tmp_path / "assets")
@@ -285,7 +285,7 @@ def test_safetensors_problems(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from megatron_rl.config.files import safetensors_problem
+    from megatron_rl.preflight import safetensors_problem
 
     path = str(tmp_path / "m.safetensors")
     save_file({"w": torch.zeros(100)}, path)

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from megatron_rl import cli, config_io
-from megatron_rl.config import RunConfig, load_run_config, resolve_mapping, build_run_config
-from megatron_rl.config.checks import check_run_config
+from megatron_rl.config import RunConfig, resolve_mapping, build_run_config
+from megatron_rl.preflight import check_run_config, load_run_config
 from megatron_rl.config_io import ConfigError
 
 from run_helpers import MOE_RECIPE, REPO, TINY_RECIPE, quick_assets, tiny_overrides

@@ -1,6 +1,12 @@
-"""Checks of what a run config points at, run by :func:`~megatron_rl.config.checks.check_run_config` (so by
-``--dry-run``) before anything starts: each problem one line naming the file or field, the value and the fix.
+"""Pre-flight: a run config and what it points at, checked before anything starts (so by ``--dry-run``).
 
+The config package checks its own rules without importing the rest of the package (it loads no torch); the
+checks here read files or need the data, model and training code, so they live above both. Every problem is
+collected, the config's and these together, and all are raised in one :class:`~megatron_rl.config_io.ConfigError`,
+each one line naming the file or field, the value and the fix:
+
+* the token budget: the longest sequence must fit a micro-batch (the training code's padding rules);
+* the outputs: checkpoint settings, and a ``logging.output_dir`` that already holds another run's checkpoints;
 * prompt tables (``data``, ``eval.data``): readable, not empty, every row with the configured columns;
 * model directories: ``config.json`` parses, every safetensors file has a readable header and the size it
   announces (a truncated download is named, not found by a failed tensor load);
@@ -8,11 +14,14 @@
 * the output directory and checkpoint root can be written;
 * resuming: the ``latest`` pointer names a checkpoint, ``resume_step`` exists, and the checkpoint was trained
   from a model of this shape, with this LR schedule;
-* ``rollout.urls`` of remote servers answer ``/health``, and honour ``sampling_seed`` when the run is seeded.
+* ``rollout.urls`` of remote servers answer ``/health``, and honour ``sampling_seed`` when the run is seeded;
+* once every path exists: vocabulary vs tokenizer, lengths vs context, model vs parallel sizes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import glob
 import http.client
 import json
@@ -22,9 +31,69 @@ import struct
 import tempfile
 import urllib.error
 import urllib.request
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
-from megatron_rl.config.run import RunConfig
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from megatron_rl.config.checks import rule_problems, routing_fields
+from megatron_rl.config.load import build_run_config, resolve_mapping
+from megatron_rl.config.run import PrepareConfig, RunConfig
+from megatron_rl.config_io import ConfigError, build
+from megatron_rl.data.config import deferred_path_checks
+from megatron_rl.data.loading import check_prompt_file
+from megatron_rl.data.rewards.resolve import load_custom_fn
+from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
+from megatron_rl.models.config import HFArch, check_divisibility
+from megatron_rl.training.checkpoint import (
+    CheckpointConfig,
+    iter_name,
+    latest_checkpoint,
+    list_checkpoints,
+    model_signature,
+    signature_mismatch,
+)
+from megatron_rl.training.micro_batch import packed_lengths, stream_multiple
+
+
+def load_run_config(recipe: Optional[str], overrides: Sequence[str] = (), *, prepare: bool = True,
+                    check: bool = True) -> RunConfig:
+    """Recipe + overrides -> a checked :class:`RunConfig` (raises :class:`~megatron_rl.config_io.ConfigError`
+    listing every problem). ``prepare`` first builds generated assets the recipe names (``prepare.kind``);
+    ``check=False`` only builds (each section still validates itself)."""
+    mapping = resolve_mapping(recipe, overrides)
+    if prepare:  # the data and model sections check that their paths exist: make generated assets first
+        try:
+            prep = build(PrepareConfig, mapping.get("prepare") or {}, "prepare")
+            if prep.kind == "tiny_arithmetic":
+                prepare_tiny_arithmetic(prep.dir, seed=prep.seed, model=prep.model)
+        except (ConfigError, ValueError) as e:  # ValueError: e.g. the directory holds the other model's assets
+            raise ConfigError(str(e)) from None
+    # checked: a missing data file is listed with every other problem (check_files), not alone
+    with deferred_path_checks() if check else contextlib.nullcontext():
+        cfg = build_run_config(mapping)
+    if check:
+        check_run_config(cfg)
+    return cfg
+
+
+def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
+    """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
+    and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
+    problems = rule_problems(cfg, files=files)
+    if cfg.parallel.world_size % cfg.parallel.model_parallel == 0:  # otherwise reported by the rules
+        token_budget(cfg, problems)
+    outputs(cfg, problems)
+    if files:
+        check_files(cfg, problems)  # data, model files, reward import, writable outputs, resume, remote servers
+    if files and not problems:  # model-file checks only once the paths are known to exist
+        try:
+            model_files(cfg, problems, routing_fields(cfg))
+        except Exception as e:  # noqa: BLE001 - transformers' error of a file we could not pre-check
+            problems.append(f"model.hf_path={cfg.model.hf_path!r} / tokenizer {cfg.tokenizer_path!r} cannot be loaded "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check the directory")
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_files(cfg: RunConfig, out: List[str]) -> None:
@@ -33,8 +102,6 @@ def check_files(cfg: RunConfig, out: List[str]) -> None:
 
 
 def _data(cfg: RunConfig, out: List[str]) -> None:
-    from megatron_rl.data.loading import check_prompt_file
-
     evals = {"eval.data": cfg.eval.data} if cfg.eval.data is not None else {
         f"eval.datasets.{name}": d for name, d in cfg.eval.named_datasets.items()}
     for section, data in (("data", cfg.data), *evals.items()):
@@ -102,8 +169,6 @@ def _reward(cfg: RunConfig, out: List[str]) -> None:
     target = cfg.reward.custom_fn.rsplit(":", 1)[0]
     if target.endswith(".py") and not os.path.isfile(target):
         return  # reported by paths() below
-    from megatron_rl.data.rewards.resolve import load_custom_fn
-
     try:
         load_custom_fn(cfg.reward.custom_fn)  # what the run does first: imports the module
     except ValueError as e:
@@ -130,8 +195,6 @@ def _writable(cfg: RunConfig, out: List[str]) -> None:
 
 
 def _resume(cfg: RunConfig, out: List[str]) -> None:
-    from megatron_rl.training.checkpoint import iter_name, latest_checkpoint, list_checkpoints
-
     if not cfg.resume:
         return
     root, steps = cfg.checkpoint_root, list_checkpoints(cfg.checkpoint_root)
@@ -155,14 +218,6 @@ def _resume(cfg: RunConfig, out: List[str]) -> None:
 def _same_model(cfg: RunConfig, path: str, out: List[str]) -> None:
     """The checkpoint's model shape (recorded since manifests exist) against ``model.hf_path``'s, and its LR
     schedule against ``optim``'s (the trainer refuses to continue another schedule)."""
-    import dataclasses
-
-    import torch
-    from transformers import AutoConfig
-
-    from megatron_rl.models.config import HFArch
-    from megatron_rl.training.checkpoint import model_signature, signature_mismatch
-
     try:
         saved = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=True)["trainer"]
         current = model_signature(HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path)))
@@ -217,15 +272,9 @@ def _remote_deterministic(i: int, url: str, out: List[str]) -> None:
                    "rollout.deterministic_inference=false")
 
 
-# ---- checks moved out of the pure rules: they read files or need the training code ----------------------
-
 def token_budget(cfg: RunConfig, out: List[str]) -> None:
     """The longest sequence a run can produce must fit a micro-batch's token budget (per CP rank, after the
     padding CP and sequence parallelism need)."""
-    import torch  # the training code's own padding rules; heavy, so only when checking
-
-    from megatron_rl.training.micro_batch import packed_lengths, stream_multiple
-
     p, t = cfg.parallel, cfg.train
     longest = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens
     sp = p.tp > 1 if cfg.model.sequence_parallel is None else cfg.model.sequence_parallel
@@ -240,33 +289,7 @@ def token_budget(cfg: RunConfig, out: List[str]) -> None:
                        "parallel.cp (the budget is per CP rank)")
 
 
-def _hf_dir(path: Optional[str], field: str, out: List[str]) -> None:
-    if path is None:
-        return
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        out.append(f"{field}={path!r} is not a local HF checkpoint directory (config.json + *.safetensors; cwd "
-                   f"{os.getcwd()}); download one there: `huggingface-cli download ORG/{os.path.basename(os.path.normpath(path))} "
-                   f"--local-dir {path}` (ORG: the model's publisher, e.g. Qwen)")
-
-
-def paths(cfg: RunConfig, out: List[str]) -> None:
-    _hf_dir(cfg.model.hf_path, "model.hf_path", out)
-    if cfg.train.reference_model is not None:
-        where = "warmup.teacher" if cfg.warmup.teacher else "train.reference_model.hf_path"
-        _hf_dir(cfg.train.reference_model.hf_path, where, out)
-    if cfg.tokenizer is not None and not os.path.isdir(cfg.tokenizer):
-        out.append(f"tokenizer={cfg.tokenizer!r} is not a directory (cwd {os.getcwd()}); point it at a saved HF "
-                   "tokenizer or remove it to use model.hf_path's")
-    fn = cfg.reward.custom_fn
-    if fn:
-        target = fn.rsplit(":", 1)[0]
-        if target.endswith(".py") and not os.path.isfile(target):
-            out.append(f"reward.custom_fn={fn!r}: file {target!r} does not exist (cwd {os.getcwd()})")
-
-
 def outputs(cfg: RunConfig, out: List[str]) -> None:
-    from megatron_rl.training.checkpoint import CheckpointConfig, list_checkpoints
-
     c = cfg.checkpoint
     try:
         CheckpointConfig(root=cfg.checkpoint_root, keep_last=c.keep_last, save_optimizer=c.save_optimizer,
@@ -281,10 +304,6 @@ def outputs(cfg: RunConfig, out: List[str]) -> None:
 def model_files(cfg: RunConfig, out: List[str], routing: List[str]) -> None:
     """Vocabulary vs tokenizer, lengths vs context, model vs parallel sizes (reads config.json + tokenizer);
     ``routing``: the routing-replay switches that are on (they need an MoE model)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from megatron_rl.models.config import HFArch, check_divisibility
-
     arch = HFArch.from_hf(AutoConfig.from_pretrained(cfg.model.hf_path))
     tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
     if len(tok) > arch.vocab_size:
