@@ -34,6 +34,7 @@ def _leaf_groups(optimizer) -> List[dict]:
     return groups
 
 
+@torch.no_grad()  # a statistic of the weights, never part of a graph
 def max_abs_weight(optimizer) -> torch.Tensor:
     """``max |p|`` over this rank's optimizer parameters (the fp32 main copies where they exist) as a 0-d
     float64 tensor on their device: one ``_foreach_norm(inf)`` and a max, no host sync."""
