@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Type, TypeVar, Union
 
-import yaml
+from megatron_rl import yaml_safe
 
 T = TypeVar("T")
 
@@ -40,10 +40,13 @@ def load_yaml(path: Union[str, Path]) -> Dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"recipe {str(path)!r} does not exist (pass the path of a YAML file, e.g. examples/tiny_cpu.yaml)")
+    if p.stat().st_size > 16 << 20:  # a recipe is a few KB; this is another file
+        raise ConfigError(f"recipe {str(path)!r} has {p.stat().st_size} bytes: not a recipe (pass a YAML file)")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {p}: not valid YAML: {e}") from None
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"recipe {str(path)!r} cannot be read ({type(e).__name__}: {e})") from None
+    data = yaml_safe.load_bytes(raw, f"recipe {p}", ConfigError) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {p}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
@@ -56,10 +59,8 @@ def parse_overrides(items: Sequence[str]) -> Dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. rollout.n_samples_per_prompt=8")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        value = yaml_safe.load_bytes(raw.encode("utf-8", "surrogateescape"), f"override {yaml_safe.short(item)}",
+                                     ConfigError) if raw != "" else ""
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
