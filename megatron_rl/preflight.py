@@ -37,6 +37,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_rl.config.checks import rule_problems, routing_fields
+from megatron_rl.config.limits import limit_problems, model_config_problems
 from megatron_rl.config.load import build_run_config, resolve_mapping
 from megatron_rl.config.run import PrepareConfig, RunConfig
 from megatron_rl.config_io import ConfigError, build
@@ -81,7 +82,8 @@ def check_run_config(cfg: RunConfig, *, files: bool = True) -> None:
     """Raise one ConfigError listing every problem. ``files=False`` skips what reads the model directory
     and tokenizer (checking a GPU recipe on a machine without its checkpoints)."""
     problems = rule_problems(cfg, files=files)
-    if cfg.parallel.world_size % cfg.parallel.model_parallel == 0:  # otherwise reported by the rules
+    # otherwise reported by the rules (an out-of-range length would overflow the budget's arithmetic)
+    if cfg.parallel.world_size % cfg.parallel.model_parallel == 0 and not limit_problems(cfg):
         token_budget(cfg, problems)
     outputs(cfg, problems)
     if files:
@@ -133,9 +135,13 @@ def _model_dir(path: Optional[str], field: str, out: List[str]) -> None:
         return  # reported by paths() below
     try:
         with open(os.path.join(path, "config.json")) as f:
-            json.load(f)
+            config = json.load(f)
     except (OSError, ValueError) as e:
         out.append(f"{field}={path!r}: config.json cannot be read ({type(e).__name__}: {e}); restore the file")
+        return
+    bad = model_config_problems(field, path, config)
+    if bad:
+        out.extend(bad)
         return
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     index = os.path.join(path, "model.safetensors.index.json")

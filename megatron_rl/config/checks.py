@@ -15,6 +15,7 @@ import os
 import warnings
 from typing import List, Optional
 
+from megatron_rl.config.limits import limit_problems
 from megatron_rl.config.run import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def rule_problems(cfg: RunConfig, *, files: bool = True) -> List[str]:
     """Every problem of the rules across sections (and, unless ``files=False``, of paths that do not exist).
     What reads the files or needs the training code is :mod:`megatron_rl.preflight`'s, which adds its
     problems to these and raises them together."""
-    problems: List[str] = []
+    problems: List[str] = limit_problems(cfg)
     for check in [_parallel, _batch, _rollout, _objective, _warmup, _eval, _profile] + ([_paths] if files else []):
         check(cfg, problems)
     _warn_uncorrected_async(cfg)

@@ -13,6 +13,7 @@ from typing import Iterable, List, Tuple
 import datasets
 
 from megatron_rl.data.config import DataConfig, missing_path_message
+from megatron_rl.data.file_checks import check_regular_file, read_jsonl_text
 
 
 def load_prompt_table(config: DataConfig) -> datasets.Dataset:
@@ -20,6 +21,7 @@ def load_prompt_table(config: DataConfig) -> datasets.Dataset:
 
     Raises ``ValueError`` naming the missing column and listing the columns that are there.
     """
+    check_regular_file(config.path, f"data.path={config.path!r}")  # a FIFO would block, /dev/zero never end
     fmt = config.resolved_format()
     if fmt == "jsonl":
         check_prompt_file(config)  # a clear error for an empty file or a broken line, not the json builder's
@@ -70,6 +72,7 @@ def check_prompt_file(config: DataConfig, section: str = "data") -> None:
     where = f"{section}.path={config.path!r}"
     if not os.path.exists(config.path):
         raise ValueError(missing_path_message(section, config.path))
+    check_regular_file(config.path, where)
     fmt = config.resolved_format()
     if fmt == "jsonl":
         rows = _jsonl_rows(config.path, where)
@@ -78,7 +81,10 @@ def check_prompt_file(config: DataConfig, section: str = "data") -> None:
             if fmt == "parquet":
                 import pyarrow.parquet as pq
 
-                meta = pq.ParquetFile(config.path).metadata
+                try:
+                    meta = pq.ParquetFile(config.path).metadata
+                except ValueError as e:  # pyarrow's ArrowInvalid is a ValueError naming no file
+                    raise OSError(str(e)) from None
                 columns, n = list(meta.schema.names), meta.num_rows
             else:
                 table = _load_saved(config)
@@ -105,11 +111,7 @@ def check_prompt_file(config: DataConfig, section: str = "data") -> None:
 
 def _jsonl_rows(path: str, where: str) -> List[Tuple[int, dict]]:
     """``(line number, row)`` of a JSON-lines file (or a ``.json`` file holding one list of objects)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where} cannot be read ({type(e).__name__}: {e})") from None
+    text = read_jsonl_text(path, where)
     data = None
     if text.lstrip().startswith("["):  # one JSON array (``.json``), or JSON lines that are arrays
         try:
