@@ -13,6 +13,7 @@ from typing import Iterable, List, Tuple
 import datasets
 
 from megatron_rl.data.config import DataConfig, missing_path_message
+from megatron_rl.data.labels import mixed_columns, with_exact_values
 from megatron_rl.data.file_checks import check_regular_file, read_jsonl_text
 
 
@@ -27,6 +28,11 @@ def load_prompt_table(config: DataConfig) -> datasets.Dataset:
         check_prompt_file(config)  # a clear error for an empty file or a broken line, not the json builder's
         # The packaged "json" builder is local (no hub access); it caches an Arrow copy of the file.
         table = datasets.load_dataset("json", data_files=config.path, split="train", cache_dir=config.cache_dir)
+        mixed = mixed_columns(table, [c for c in (config.label_field, *config.metadata_fields) if c is not None])
+        if mixed:  # "02" beside 4 would come back as 2: the values as parsed here instead
+            rows = [row for _, row in _jsonl_rows(config.path, f"data.path={config.path!r}")]
+            for name in mixed:
+                table = with_exact_values(table, name, [row.get(name) for row in rows])
     elif fmt == "parquet":
         table = datasets.load_dataset("parquet", data_files=config.path, split="train", cache_dir=config.cache_dir)
     elif fmt == "hf_disk":

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from megatron_rl.data.rewards.builtin import reward_value
 from megatron_rl.data.rewards.config import RewardConfig
+from megatron_rl.data.rewards.label_types import LabelTypeWatch
 from megatron_rl.data.rewards.pool import Outcome, RewardWorkerPool
 from megatron_rl.data.rewards.resolve import build_reward_fn
 
@@ -60,6 +61,7 @@ class RewardRunner:
         self._pool: Optional[RewardWorkerPool] = None if config.in_process else RewardWorkerPool(config)
         self.total_samples = 0
         self.total_failed = 0
+        self._label_types = LabelTypeWatch(config.kind)
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -80,6 +82,7 @@ class RewardRunner:
             raise ValueError(f"compute_rewards: {n} responses, {len(labels)} labels"
                              + (f", {len(sample_infos)} sample_infos" if sample_infos is not None else "")
                              + "; expected one of each per sample")
+        self._label_types.check(labels)
         infos = [dict(x) for x in sample_infos] if sample_infos is not None else [{} for _ in range(n)]
         tasks = list(zip(responses, labels, infos))
         start = time.perf_counter()
