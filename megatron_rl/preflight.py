@@ -46,6 +46,7 @@ from megatron_rl.data.loading import check_prompt_file
 from megatron_rl.data.rewards.resolve import load_custom_fn
 from megatron_rl.data.tiny_task import prepare_tiny_arithmetic
 from megatron_rl.models.config import HFArch, check_divisibility
+from megatron_rl.run_dir import output_problems
 from megatron_rl.training.checkpoint import (
     CheckpointConfig,
     iter_name,
@@ -305,6 +306,7 @@ def outputs(cfg: RunConfig, out: List[str]) -> None:
     if not cfg.resume and not cfg.overwrite and list_checkpoints(cfg.checkpoint_root):
         out.append(f"{cfg.checkpoint_root} already holds checkpoints of a run: pass resume=true to continue it, "
                    f"overwrite=true to start over (deletes them), or another logging.output_dir")
+    out.extend(output_problems(cfg))  # another run's lock, metrics.jsonl, an unresumable checkpoint root
 
 
 def model_files(cfg: RunConfig, out: List[str], routing: List[str]) -> None:

@@ -309,11 +309,89 @@ BAD_INPUTS: List[Case] = [
     Case("remote server not running", ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:9]"],
          r"rollout.urls\[0\]='http://127.0.0.1:9': no SGLang server answers"),
     # -- only a start can tell (tokenising)
-    Case("an overlong prompt with overlong_policy=error", ["data.overlong_policy=error", "data.max_prompt_tokens=4"],
+    Case("an overlong prompt with overlong_policy=error", ["data.overlong_policy=error", "data.max_prompt_tokens=4", "overwrite=true"],
          r"prompt at index 0 of .* has 5 tokens > data.max_prompt_tokens=4", run=True),
-    Case("every prompt too long", ["data.max_prompt_tokens=2"], r"all \d+ prompts of .* exceed data.max_prompt_tokens=2",
+    Case("every prompt too long", ["data.max_prompt_tokens=2", "overwrite=true"], r"all \d+ prompts of .* exceed data.max_prompt_tokens=2",
          run=True),
+    # -- issue 28: YAML bounds, numeric ranges, model sizes, unreadable prompt files, outputs of another run
+    *[Case(name, [], expect, setup) for name, expect, setup in [
+        ("recipe nested 10 000 deep", r"nested more than \d+ levels deep", lambda w, a: [
+            "__recipe__=" + _write(os.path.join(w, "deep.yaml"), "a: " + "[" * 10000 + "]" * 10000 + "\n")]),
+        ("recipe alias bomb", r"aliases expand to more than \d+ values", lambda w, a: [
+            "__recipe__=" + _write(os.path.join(w, "bomb.yaml"), _alias_bomb())]),
+        ("recipe duplicate key", r"duplicate key 'seed' at line \d+", lambda w, a: [
+            "__recipe__=" + _write(os.path.join(w, "dup.yaml"), open(RECIPE).read() + "\nseed: 3\n")]),
+        ("recipe in Latin-1", r"recipe .*latin.yaml: not UTF-8 text \(byte 0xe9 at line 1\)", lambda w, a: [
+            "__recipe__=" + _write_bytes(os.path.join(w, "latin.yaml"), "# caf\xe9\nseed: 0\n".encode("latin-1"))]),
+        ("model config.json hidden_size -64", r"config.json has hidden_size=-64", lambda w, a: [
+            "model.hf_path=" + _copy_model(a["student"], os.path.join(w, "m"), lambda d: _set_json(
+                os.path.join(d, "config.json"), hidden_size=-64))]),
+        ("model config.json num_attention_heads 0", r"config.json has num_attention_heads=0", lambda w, a: [
+            "model.hf_path=" + _copy_model(a["student"], os.path.join(w, "m"), lambda d: _set_json(
+                os.path.join(d, "config.json"), num_attention_heads=0))]),
+        ("data.path a FIFO", r"data.path=.* is a FIFO \(named pipe\), not a file", lambda w, a: [
+            "data.path=" + _fifo(os.path.join(w, "fifo.jsonl"))]),
+        ("data.path /dev/zero", r"data.path='/dev/zero' is a character device", lambda w, a: [
+            "data.path=/dev/zero", "data.format=jsonl"]),
+        ("data.path a 0-byte parquet", r"data.path=.*empty.parquet' cannot be read as parquet", lambda w, a: [
+            "data.path=" + _write(os.path.join(w, "empty.parquet"), "")]),
+        ("resume with latest deleted and no checkpoint", r"holds another run's metrics.jsonl .* resume=true finds no "
+         r"checkpoint", lambda w, a: [f"logging.output_dir={os.path.join(w, 'out')}", "resume=true"]),
+        ("checkpoints/latest a directory", r"latest is a directory, not the checkpoint pointer file", lambda w, a: (
+            os.makedirs(os.path.join(w, "out", "checkpoints", "latest"), exist_ok=True) or ["resume=true"])),
+        ("output dir in use by a live run", r"is in use by another run \(pid \d+", lambda w, a: [
+            f"logging.output_dir={_locked(os.path.join(w, 'out'))}"]),
+    ]],
+    *[Case(f"override {arg[:40]}", [arg], expect) for arg, expect in [
+        ("seed=" + "9" * 5000, r"override 'seed=9+\.\.\. \(5007 characters\): an integer of 5000 digits"),
+        (f"rollout.sampling.max_new_tokens={2**63 - 1}", r"rollout.sampling.max_new_tokens=9223372036854775807 must"),
+        ("rollout.n_samples_per_prompt=1000000000", r"rollout.n_samples_per_prompt=1000000000 must be an integer"),
+        ("rollout.prompts_per_step=1000000000", r"rollout.prompts_per_step=1000000000 must be an integer"),
+        ("rollout.oversample_factor=.inf", r"rollout.oversample_factor=inf must be a finite number"),
+        ("seed=-1", r"seed=-1 must be an integer in \[0, 4294967295\]"),
+        ("cluster.threads_per_worker=0", r"cluster.threads_per_worker=0 must be an integer"),
+        ("cluster.cpus_per_trainer=-1", r"cluster.cpus_per_trainer=-1.0 must be a finite number"),
+        ("rollout.request_timeout_s=0", r"rollout.request_timeout_s=0.0 must be a finite number"),
+    ]],
 ]
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    text = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n'
+    for i in range(levels):
+        text += f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 9)}]\n"
+    return text + f"data: *{chr(97 + levels)}\n"
+
+
+def _write_bytes(path: str, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _set_json(path: str, **changes) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    data.update(changes)
+    _write(path, json.dumps(data))
+
+
+def _fifo(path: str) -> str:
+    if not os.path.exists(path):
+        os.mkfifo(path)
+    return path
+
+
+def _locked(out: str) -> str:
+    """``out`` locked by a live process of this host that is not this one (the parent of this process)."""
+    import socket
+
+    from megatron_rl.run_dir import LOCK_NAME, _start_time
+
+    os.makedirs(out, exist_ok=True)
+    owner = {"pid": os.getppid(), "host": socket.gethostname(), "started": _start_time(os.getppid()), "time": 0}
+    _write(os.path.join(out, LOCK_NAME), json.dumps(owner))
+    return out
 
 
 def _fake_checkpoints(work: str, name: str, latest: str, resume: bool = True) -> List[str]:

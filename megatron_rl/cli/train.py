@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides of any field, e.g. rollout.n_samples_per_prompt=8 resume=true")
     p.add_argument("--dry-run", action="store_true", help="check the config and print it resolved; run nothing")
+    p.add_argument("--force", action="store_true",
+                   help="start over in an output folder holding another run's outputs (overwrite=true: deletes them)")
     p.add_argument("--log-level", default="INFO", help="Python logging level of the driver (default INFO)")
 
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        cfg = load_run_config(args.recipe, args.overrides)
+        cfg = load_run_config(args.recipe, [*args.overrides, *(["overwrite=true"] if getattr(args, "force", False) else [])])
     except (ConfigError, ValueError) as e:
         print(f"megatron-rl train: config error: {e}", file=sys.stderr)
         return 2

@@ -24,9 +24,10 @@ import os
 import shutil
 from typing import Callable, List, Optional
 
-from megatron_rl import perf
+from megatron_rl import perf, run_dir
 from megatron_rl.config import RunConfig, dump_yaml
 from megatron_rl.config.checks import batch_unit
+from megatron_rl.config_io import ConfigError
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.models.build import load_arch
 from megatron_rl.orchestration import startup
@@ -79,6 +80,10 @@ class Run:
     def _start(self) -> None:
         cfg, timer = self.cfg, self.timer
         os.makedirs(cfg.output_dir, exist_ok=True)
+        self._closers.append(run_dir.acquire(cfg.output_dir))  # one run per output folder, before any write
+        problems = run_dir.output_problems(cfg)  # what the preflight saw may have changed since
+        if problems:
+            raise ConfigError(problems)
         self.data = startup.start_data(cfg, self._closers)
         self._start_workers()
         cluster, trainers = self.cluster, self.cluster.trainers

@@ -102,10 +102,14 @@ def iter_name(step: int) -> str:
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
-    """Path of the newest complete checkpoint under ``root`` (from the ``latest`` pointer), or None."""
+    """Path of the newest complete checkpoint under ``root`` (from the ``latest`` pointer), or None.
+    Without the pointer (deleted, or a directory in its place): the newest ``iter_*`` holding its manifest
+    (each is renamed into place complete; a damaged one is skipped for an older one when loaded)."""
     pointer = os.path.join(root, "latest")
     if not os.path.isfile(pointer):
-        return None
+        found = [s for s in list_checkpoints(root)
+                 if os.path.isfile(os.path.join(root, iter_name(s), integrity.MANIFEST))]
+        return os.path.join(root, iter_name(found[-1])) if found else None
     with open(pointer) as f:
         name = f.read().strip()
     if not _ITER_RE.match(name) or not os.path.isdir(os.path.join(root, name)):

@@ -43,6 +43,9 @@ class CheckpointSpaceError(OSError):
     def __str__(self) -> str:
         return self.strerror
 
+    def __reduce__(self):  # OSError pickles (errno, strerror): one argument here, or Ray cannot rebuild it
+        return (type(self), (self.strerror,))
+
 
 def checkpoint_files(path: str) -> List[str]:
     """Every file of the checkpoint directory ``path`` (relative, sorted), the manifest excepted."""
