@@ -24,6 +24,9 @@ import sys
 import uuid
 from typing import Iterable, List, Optional
 
+from megatron_rl.orchestration import guard_sweep as sweep
+from megatron_rl.orchestration.guard_sweep import read_until_eof
+
 ENV = "MEGATRON_RL_RUN_TOKEN"
 
 
@@ -104,8 +107,10 @@ def main(argv: List[str]) -> int:
     token, driver = argv[0], int(argv[1])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    dirs = [line.decode().strip() for line in sys.stdin.buffer]  # until EOF: released, or the driver died
-    kill_run(token, [d for d in dirs if d], exclude=[os.getpid(), driver])
+    dirs, tree = read_until_eof(sys.stdin.buffer.fileno(), driver)  # EOF: released, or the driver died
+    if sweep.driver_alive(driver):  # released: the driver's other children are not the run's
+        tree = {}
+    sweep.freeze_and_kill(lambda: run_pids(token, [d for d in dirs if d]), tree, exclude={os.getpid(), driver})
     return 0
 
 
