@@ -41,6 +41,7 @@ from megatron_rl.orchestration.phases.publish import WeightPublisher
 from megatron_rl.orchestration.phases.step_log import StepLog
 from megatron_rl.orchestration.phases.training import TrainingPhase
 from megatron_rl.orchestration.rollout_phase import RolloutBatch, RolloutPhase
+from megatron_rl.rollout.client import weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Run:
         problems = run_dir.output_problems(cfg)  # what the preflight saw may have changed since
         if problems:
             raise ConfigError(problems)
+        weight_files.remove_stale()  # shared-memory weight files of ranks killed in an earlier run
         self.data = startup.start_data(cfg, self._closers)
         self._start_workers()
         cluster, trainers = self.cluster, self.cluster.trainers
@@ -164,3 +166,4 @@ class Run:
         if self.cluster is not None:
             cluster, self.cluster = self.cluster, None
             cluster.shutdown(failed)
+            weight_files.remove_stale()  # a rank killed while its weight file was being read left it

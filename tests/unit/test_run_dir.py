@@ -134,3 +134,20 @@ def test_checkpoint_space_error_survives_pickling():
     e = pickle.loads(pickle.dumps(CheckpointSpaceError("checkpoint needs 5.0 GB in /x, 1.0 GB free")))
     assert type(e) is CheckpointSpaceError and str(e) == "checkpoint needs 5.0 GB in /x, 1.0 GB free"
     assert e.errno == 28
+
+
+def test_weight_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+    from megatron_rl.rollout.client import weight_files
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert weight_files.file_prefix() == f"mrl-weights-{os.getpid()}-"
+    names = {f"mrl-weights-{dead.pid}-abc.safetensors": False,  # a killed rank's: removed
+             f"{weight_files.file_prefix()}def.safetensors": True,  # a live writer's (this process): kept
+             "mrl-weights-xyz.safetensors": True,  # not named by a writer: not ours to judge
+             f"other-{dead.pid}-abc.safetensors": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x" * 1000)
+    removed = weight_files.remove_stale(str(tmp_path))
+    assert removed == [str(tmp_path / f"mrl-weights-{dead.pid}-abc.safetensors")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, kept in names.items() if kept)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from megatron_rl.config import RunConfig
+from megatron_rl.config_io import ConfigError
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration.modes import Rollouts
@@ -61,7 +62,10 @@ class Checkpointer:
         for problem in loaded.skipped:
             logger.warning("%s; resuming from %s (step %d) instead: resume_step=N picks a checkpoint explicitly, "
                            "deleting the damaged one silences this", problem, os.path.basename(path), state["step"])
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:  # e.g. data.path changed: the user's to fix, one line (the CLI's config error)
+            raise ConfigError(f"resume=true from {path}: {e}") from None
         # "pending": a one-step rollout, as checkpoints written before rollout.mode stored it
         rollout_state = state.get("rollouts") or ({"pending": state["pending"]} if state.get("pending") else None)
         restored = Restored(state["step"], True, rollout_state, state.get("row"))

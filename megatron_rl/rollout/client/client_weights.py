@@ -11,7 +11,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.client import weight_files, wire
 from megatron_rl.rollout.client.errors import RequestRejected
 from megatron_rl.weights import group as weight_group
 from megatron_rl.weights.tensor_payload import request_body
@@ -60,7 +60,8 @@ class WeightCalls:
     def _send_bucket_file(self, bucket: Sequence[Tuple[str, torch.Tensor]]) -> bool:
         """Post ``bucket`` as a shared-memory file; False (bytes from now on) if the server cannot read it."""
 
-        fd, path = tempfile.mkstemp(prefix=wire.WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=wire.shared_dir())
+        # the writer's pid in the name: a file this rank leaves when killed is found and removed (weight_files.py)
+        fd, path = tempfile.mkstemp(prefix=weight_files.file_prefix(), suffix=".safetensors", dir=wire.shared_dir())
         os.close(fd)
         try:
             wire.write_bucket_file(bucket, path)
