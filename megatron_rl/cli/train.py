@@ -2,8 +2,10 @@
 
 Reads the recipe, applies the overrides, prepares generated assets, checks the whole config (every
 problem reported at once, one line each) and — unless ``--dry-run``, which prints the resolved config
-instead — runs it. Exit codes: 0 done, 2 config error, 1 the run failed (a known failure is one message,
-no traceback), 128 + N stopped by signal N (SIGTERM: 143, Ctrl-C: 130; resume=true continues).
+instead — runs it. An output folder holding another run's outputs is refused unless ``resume=true``
+continues it or ``--force`` (``overwrite=true``) starts over; one run per folder (a lock file). Exit codes:
+0 done, 2 config error, 1 the run failed (a known failure is one message, no traceback), 128 + N stopped by
+signal N (SIGTERM: 143, Ctrl-C: 130; resume=true continues).
 """
 
 from __future__ import annotations
