@@ -151,3 +151,26 @@ def test_weight_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
     removed = weight_files.remove_stale(str(tmp_path))
     assert removed == [str(tmp_path / f"mrl-weights-{dead.pid}-abc.safetensors")]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, kept in names.items() if kept)
+
+
+def test_checkpoint_space_error_crosses_ray_as_its_one_line():
+    """A full disk in a trainer rank (a Ray actor) reaches the driver as the CLI's one line, not Ray's
+    ``UnserializableException`` (the error could not be unpickled on main)."""
+    import ray
+
+    from megatron_rl.orchestration.failures import from_ray_error
+
+    class Rank:
+        def save(self):
+            raise CheckpointSpaceError("checkpoint needs 5.0 GB in /ckpt but 1.0 GB are free; free space")
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        rank = ray.remote(Rank).options(num_cpus=0).remote()
+        with pytest.raises(ray.exceptions.RayTaskError) as caught:
+            ray.get(rank.save.remote(), timeout=120)
+        error = from_ray_error(caught.value)
+        assert error is not None and str(error) == ("checkpoint needs 5.0 GB in /ckpt but 1.0 GB are free; "
+                                                    "free space")
+    finally:
+        ray.shutdown()
