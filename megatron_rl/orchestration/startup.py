@@ -125,6 +125,8 @@ def connect(cfg: RunConfig, cluster: Cluster, timer: PhaseTimer, closers: Closer
         closers.append(board.close)
     cluster.trainers = TrainerGroup(cluster.placement.trainers, progress=board, work=_dp_work(cfg))
     cluster.trainers.setup()
+    cluster.trainers.start_heartbeat(cfg.cluster.stall_warn_s, cfg.cluster.stall_fail_s)
+    closers.append(cluster.trainers.stop_heartbeat)
     urls = ray.get(url_refs) if url_refs else list(r.urls)
     logger.info("rollout servers: %s", urls)
     layout = None
@@ -132,11 +134,12 @@ def connect(cfg: RunConfig, cluster: Cluster, timer: PhaseTimer, closers: Closer
         arch = load_arch(cfg.model.hf_path)
         cluster.routing, layout = RoutingLayout.from_arch(arch), expert_layout(arch)
     clients = [SGLangClient(u, timeout_s=r.request_timeout_s, expert_layout=layout, logprob_mode=r.logprob_mode,
-                            max_in_flight=r.max_samples_in_flight) for u in urls]
+                            max_in_flight=r.max_samples_in_flight, control_timeout_s=r.control_timeout_s) for u in urls]
     cluster.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
     closers.append(cluster.engine.shutdown)
     cluster.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s,
-                                     pause_mode="in_place" if r.partial else None)
+                                     pause_mode="in_place" if r.partial else None,
+                                     control_timeout_s=r.control_timeout_s)
     if r.placement == "colocated" and cluster.placement.engines:
         offload = r.offload_trainer if r.offload_trainer is not None else cfg.cluster.gpus_per_trainer > 0
         cluster.colocation = Colocation(cluster.engine, cluster.trainers, timer, offload_trainer=offload,

@@ -19,7 +19,7 @@ import ray
 import torch
 
 from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.orchestration import failures
+from megatron_rl.orchestration import failures, heartbeat
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
@@ -37,6 +37,7 @@ class TrainerGroup:
         # version, or the step of the last submitted train step (what a restarted engine is given)
         self.weights_version = "default"
         self.work = work  # sequence lengths -> estimated work: balance the DP split by it (None: contiguous)
+        self.stall: Optional[heartbeat.StallWatch] = None  # trainer heartbeats (start_heartbeat)
 
     def _submit(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
         return [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
@@ -51,8 +52,11 @@ class TrainerGroup:
         return self._get(refs, method)
 
     def _get(self, refs: List[Any], method: str, bars: bool = True) -> List[Any]:
+        check = self.stall.check if self.stall is not None else None
         try:
-            return ray.get(refs) if self.progress is None or not bars else self.progress.wait(refs)
+            if self.progress is not None and bars:
+                return self.progress.wait(refs, on_poll=check)
+            return ray.get(refs) if check is None else _wait_checked(refs, check, self.stall.poll_s)
         except ray.exceptions.RayActorError as e:
             raise self._dead_rank(method, refs, e) from None
         except ray.exceptions.RayTaskError as e:
@@ -98,6 +102,17 @@ class TrainerGroup:
         if self.progress is not None:
             self._call("set_progress", self.progress.reporter())
 
+    def start_heartbeat(self, warn_s: float, fail_s: float) -> None:
+        """Every rank beats to a board the driver watches (``heartbeat.py``); a rank silent for ``fail_s`` makes
+        the driver's waits for trainer calls raise ``TrainerStallError``."""
+        board = heartbeat.new_board()
+        self._call("start_heartbeat", board, heartbeat.beat_interval(warn_s))
+        self.stall = heartbeat.StallWatch(board, warn_s, fail_s).start()
+
+    def stop_heartbeat(self) -> None:
+        if self.stall is not None:
+            self.stall.stop()
+
     @property
     def dp(self) -> int:
         return self.infos[0]["dp"]
@@ -131,8 +146,8 @@ class TrainerGroup:
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float,
-                        pause_mode: Optional[str] = None) -> None:
-        self._call("connect_engines", urls, transport, policy, timeout_s, pause_mode)
+                        pause_mode: Optional[str] = None, control_timeout_s: float = 30.0) -> None:
+        self._call("connect_engines", urls, transport, policy, timeout_s, pause_mode, control_timeout_s)
 
     def sync_weights(self, version: Any, check: Optional[bool] = None):
         return self._call("sync_weights", version, check, version=version)[0]
@@ -176,6 +191,17 @@ class TrainerGroup:
 
     def stop_profile(self, ranks: List[int]) -> List[Optional[str]]:
         return ray.get([self.workers[r].stop_profile.remote() for r in ranks])
+
+
+def _wait_checked(refs: List[Any], check: Callable[[], None], poll_s: float) -> List[Any]:
+    """``ray.get(refs)``, calling ``check`` (which raises to stop waiting) every ``poll_s``; a finished call's
+    error is raised as soon as it is in."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        ray.get(ready)
+        check()
+    return ray.get(refs)
 
 
 def _max_over_ranks(per_rank: List[Dict[str, float]]) -> Dict[str, float]:
