@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -21,7 +20,7 @@ from megatron_rl.data.rewards.runner import RewardRunner
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.models.build import load_arch
-from megatron_rl.orchestration import placement
+from megatron_rl.orchestration import placement, ray_waits
 from megatron_rl.orchestration.colocation import Colocation
 from megatron_rl.orchestration.engine_worker import EngineSpec
 from megatron_rl.orchestration.progress import maybe_board
@@ -127,7 +126,9 @@ def connect(cfg: RunConfig, cluster: Cluster, timer: PhaseTimer, closers: Closer
     cluster.trainers.setup()
     cluster.trainers.start_heartbeat(cfg.cluster.stall_warn_s, cfg.cluster.stall_fail_s)
     closers.append(cluster.trainers.stop_heartbeat)
-    urls = ray.get(url_refs) if url_refs else list(r.urls)
+    # each launch has its own health timeout; the margin covers the interpreter start around it
+    launch_s = max(EngineSpec.launch_timeout_s, r.sglang.health_timeout_s) + ray_waits.SHORT_S
+    urls = ray_waits.get(url_refs, launch_s, "starting the rollout engines") if url_refs else list(r.urls)
     logger.info("rollout servers: %s", urls)
     layout = None
     if cfg.train.routing_replay:
@@ -151,7 +152,7 @@ def _start_engines(cfg: RunConfig, placed: placement.Placement) -> list:
     r, engines = cfg.rollout, placed.engines
     if not (r.engine == "sglang" and r.placement == "colocated"):
         return [e.start.remote() for e in engines]
-    ids = ray.get([t.device_ids.remote() for t in placed.trainers])
+    ids = ray_waits.get([t.device_ids.remote() for t in placed.trainers], ray_waits.SHORT_S, "trainer device ids")
     devices = placement.colocated_devices(ids, placement.engine_tp(r), len(engines))
     return [e.start.remote(d) for e, d in zip(engines, devices)]
 

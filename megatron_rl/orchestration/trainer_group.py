@@ -19,7 +19,7 @@ import ray
 import torch
 
 from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.orchestration import failures, heartbeat
+from megatron_rl.orchestration import failures, heartbeat, ray_waits
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
@@ -97,7 +97,8 @@ class TrainerGroup:
 
     # ---- set-up --------------------------------------------------------------------------------------
     def setup(self) -> None:
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        addr, port = ray_waits.get(self.workers[0].rendezvous_address.remote(), ray_waits.SHORT_S,
+                                   "trainer rank 0's rendezvous address")
         self.infos = self._call("setup", addr, port)
         if self.progress is not None:
             self._call("set_progress", self.progress.reporter())
@@ -187,10 +188,12 @@ class TrainerGroup:
 
     # ---- profiling (not collective: only the chosen ranks) ---------------------------------------------
     def start_profile(self, ranks: List[int], path_of_rank, **options) -> None:
-        ray.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks])
+        ray_waits.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks],
+                      ray_waits.SHORT_S, "starting the trainer profiler")
 
     def stop_profile(self, ranks: List[int]) -> List[Optional[str]]:
-        return ray.get([self.workers[r].stop_profile.remote() for r in ranks])
+        return ray_waits.get([self.workers[r].stop_profile.remote() for r in ranks], 600.0,
+                             "writing the trainer profiles")
 
 
 def _wait_checked(refs: List[Any], check: Callable[[], None], poll_s: float) -> List[Any]:
