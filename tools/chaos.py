@@ -570,15 +570,16 @@ def _seconds_until(run: Run, pattern: str, start: float, timeout: float) -> Opti
     return time.monotonic() - start if run.wait_for(pattern, timeout) else None
 
 
-def stall_faults(work: str, a: Dict[str, str], steps: int = 3, log: Callable[[str], None] = print,
+def stall_faults(work: str, a: Dict[str, str], steps: int = 2, log: Callable[[str], None] = print,
                  bounds: Dict[str, float] = STALL_BOUNDS) -> StallResult:
     """A reference run, then one run in which (1) the engine server is SIGSTOPped right after the driver released
-    its memory (a hold: no ``/health``) in step 2 -- it must be detected within ``rollout.control_timeout_s``,
+    its memory (a hold: no ``/health``) in step 1 -- it must be detected within ``rollout.control_timeout_s``,
     killed, restarted and re-synced, and the run goes on -- and (2) the last trainer rank is SIGSTOPped during step
-    3: a warning naming it within ``cluster.stall_warn_s``, one clear error after ``cluster.stall_fail_s``; then
+    2: a warning naming it within ``cluster.stall_warn_s``, one clear error after ``cluster.stall_fail_s``; then
     ``resume=true`` finishes. Its metrics must equal the reference's (engine/ and timings excluded)."""
     res = StallResult()
-    common = ["checkpoint.interval=1", "checkpoint.keep_last=0", f"rollout.control_timeout_s={bounds['control_timeout_s']}",
+    common = ["checkpoint.interval=1", "checkpoint.keep_last=0",
+              f"rollout.control_timeout_s={bounds['control_timeout_s']}",
               f"cluster.stall_warn_s={bounds['stall_warn_s']}", f"cluster.stall_fail_s={bounds['stall_fail_s']}"]
     ref_out, out = os.path.join(work, "stall_reference"), os.path.join(work, "stalled")
     for d in (ref_out, out):
@@ -588,7 +589,8 @@ def stall_faults(work: str, a: Dict[str, str], steps: int = 3, log: Callable[[st
     if ref.wait() != 0:
         raise RuntimeError(f"the reference run failed: see {ref.log_path}")
 
-    run = Run(overrides(a, out, *common, steps=steps), os.path.join(work, "stall_1.log"), {"MEGATRON_RL_TEST_STOP_ENGINE": "2"})
+    run = Run(overrides(a, out, *common, steps=steps), os.path.join(work, "stall_1.log"),
+              {"MEGATRON_RL_TEST_STOP_ENGINE": "1"})  # tests/fault_hooks.py: SIGSTOP at the 1st memory release
     run.wait_for(r"fault injection: SIGSTOP to the engine server")
     t0 = time.monotonic()
     res.engine_detect_s = _seconds_until(run, r"engine 0 .*is stopped .*killing it", t0, 300)
@@ -598,7 +600,7 @@ def stall_faults(work: str, a: Dict[str, str], steps: int = 3, log: Callable[[st
                                   f"detected in {res.engine_detect_s} s; back in rotation: {back}"))
     log(f"engine SIGSTOP during a hold: detected in {res.engine_detect_s} s, recovered: {back}")
 
-    run.wait_for(r"^.*step 2/")  # step 2 is checkpointed: stop the last trainer rank during step 3
+    run.wait_for(r"^.*step 1/")  # step 1 is checkpointed: stop the last trainer rank during step 2
     victim = _victim(run, "TrainerWorker")
     os.kill(victim, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -611,7 +613,7 @@ def stall_faults(work: str, a: Dict[str, str], steps: int = 3, log: Callable[[st
     line = next((x for x in run.text().splitlines() if x.startswith("megatron-rl train:")), "")
     record_ok &= bool(re.search(rf"failed: trainer rank \d \(node .*, pid {victim}\) has been silent for \d+ s "
                                 r"\(last phase: \w+\) >= cluster.stall_fail_s.*resume=true continues from the latest "
-                                r"checkpoint, .*iter_0000002", line))
+                                r"checkpoint, .*iter_0000001", line))
     record_ok &= "Traceback (most recent call last)" not in run.text().split("megatron-rl train:")[-1]
     res.faults.append(FaultResult("SIGSTOP trainer rank (warned, stopped, resumed)", code, record_ok, line[:400],
                                   res.rank_fail_s))
@@ -692,7 +694,8 @@ def main() -> int:
             print(f"| {f.fault} | {f.exit_code} | {'yes' if f.survived else 'NO'} | {secs} | {f.detail[:120]} |")
         print(f"\nstall faults tried / survived / metrics equal after resume: {len(st.faults)} / "
               f"{sum(f.survived for f in st.faults)} / {'yes' if st.metrics_equal else 'NO'}; engine detected in "
-              f"{st.engine_detect_s} s (bound {STALL_BOUNDS['control_timeout_s']:g}), rank warned in {st.rank_warn_s} s "
+              f"{st.engine_detect_s} s (bound {STALL_BOUNDS['control_timeout_s']:g}), rank warned in "
+              f"{st.rank_warn_s} s "
               f"(bound {STALL_BOUNDS['stall_warn_s']:g}), run stopped after {st.rank_fail_s} s (bound "
               f"{STALL_BOUNDS['stall_fail_s']:g})")
         report["stalls"] = asdict(st)

@@ -143,7 +143,7 @@ class EngineWorker:
         now = time.monotonic()
         since = self._stopped_since = self._stopped_since or now
         if now - since < STOPPED_GRACE_S:
-            return None  # a stop seen once may be a debugger's blink
+            return None  # seen once: it may be a SIGSTOP + SIGCONT pair (job control)
         return f"{STOPPED} (state T, pids {pids}) for {now - since:.0f} s"
 
     def kill(self) -> None:

@@ -4,7 +4,9 @@ data-parallel shard of the batch, and comes back as one result.
 Megatron's collectives need every rank inside the same call, so a method is always invoked on all
 actors before any result is awaited -- and submitted under one lock: the engine-recovery thread
 (``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
-actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
+actor must receive the calls in the same order. While a call runs, the ranks' heartbeats are checked
+(``heartbeat.py``): a rank silent for ``cluster.stall_fail_s`` ends the wait with one clear error.
+Per-sequence results (forward log-probs) come from one rank per
 data-parallel replica and are put back together in batch order. The batch is split over data-parallel ranks contiguously, or, with a
 token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.token_budget.rank_rows`).
 """
@@ -199,12 +201,13 @@ class TrainerGroup:
 def _wait_checked(refs: List[Any], check: Callable[[], None], poll_s: float) -> List[Any]:
     """``ray.get(refs)``, calling ``check`` (which raises to stop waiting) every ``poll_s``; a finished call's
     error is raised as soon as it is in."""
+    results: Dict[Any, Any] = {}
     pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
-        ray.get(ready)
+        results.update(zip(ready, ray.get(ready)))  # each result fetched (deserialised) once
         check()
-    return ray.get(refs)
+    return [results[r] for r in refs]
 
 
 def _max_over_ranks(per_rank: List[Dict[str, float]]) -> Dict[str, float]:

@@ -96,7 +96,8 @@ def test_stopped_processes_are_read_from_proc():
         proc.wait()
 
 
-def test_a_stopped_server_during_a_hold_is_killed_at_once_and_recovered_after(model_dir, tmp_path, trained):  # noqa: F811
+def test_a_stopped_server_during_a_hold_is_killed_at_once_and_recovered_after(model_dir, tmp_path,  # noqa: F811
+                                                                             trained):  # noqa: F811
     """The driver holds the only engine (a weight sync, say) and its server is SIGSTOPped: on main nothing looked at
     it until the hold ended and a control call waited its whole timeout. Now the monitor reads the stopped state,
     kills the server within poll_s + 1 s, so the waiting call fails at once; the restart waits for the hold's end."""

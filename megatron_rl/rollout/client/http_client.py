@@ -283,7 +283,8 @@ class SGLangClient(WeightCalls):
     def continue_generation(self, timeout_s: Optional[float] = None) -> None:
         self._control("/continue_generation", {}, timeout_s)
 
-    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False, timeout_s: Optional[float] = None) -> None:
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False,
+                      timeout_s: Optional[float] = None) -> None:
         """Abort every sample of the request ``rid`` (by the rids this client gave them), or everything."""
         if abort_all:
             self._control("/abort_request", {"abort_all": True}, timeout_s)

@@ -1,9 +1,10 @@
 """Stopped processes, read from ``/proc`` (Linux; elsewhere nothing is ever seen stopped).
 
-A server process stopped by SIGSTOP (or a debugger) is neither dead nor answering: its exit status says it
+A server process stopped by SIGSTOP is neither dead nor answering: its exit status says it
 runs, and every call to it waits for its timeout. Engine recovery reads the state of the server's process
-group instead (``T``: stopped by a signal, ``t``: stopped by a tracer), which costs no request to the engine
-and works while the driver holds the engines (memory released, weight sync) and ``/health`` is not asked.
+group instead (``T``: stopped by a signal), which costs no request to the engine and works while the driver holds
+the engines (memory released, weight sync) and ``/health`` is not asked. A process stopped by a tracer (``t``: a
+debugger, py-spy) is someone's deliberate inspection, not a fault: it is not reported.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import List
 
-STOPPED_STATES = ("T", "t")
-STOPPED = "is stopped (SIGSTOP or a debugger)"  # how an engine's exit status names a stopped server
+STOPPED_STATES = ("T",)
+STOPPED = "is stopped (SIGSTOP)"  # how an engine's exit status names a stopped server
 
 
 def _stat(pid: str):
@@ -26,7 +27,7 @@ def _stat(pid: str):
 
 
 def stopped_in_group(pgid: int) -> List[int]:
-    """The processes of process group ``pgid`` that are stopped (sorted pids); [] if none or no ``/proc``."""
+    """The processes of process group ``pgid`` stopped by a signal (sorted pids); [] if none or no ``/proc``."""
     if not os.path.isdir("/proc"):
         return []
     out = []

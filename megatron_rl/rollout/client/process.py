@@ -75,7 +75,7 @@ class ManagedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stopped(self) -> List[int]:
-        """The server's processes (its own session's group) stopped by SIGSTOP or a tracer: it cannot answer."""
+        """The server's processes (its own session's group) stopped by SIGSTOP: it cannot answer."""
         return stopped_in_group(self.proc.pid) if self.alive() else []
 
     def restart(self) -> None:
