@@ -6,6 +6,8 @@
   STEP's ``rollout`` (the default; once a request is in flight on it) or right before its weight ``sync``
   (the run needs ``rollout.recovery``: the kills go through the engine monitor's handles).
 * ``MEGATRON_RL_FAULT=after_checkpoint:STEP``: SIGKILL the driver right after step STEP's checkpoint.
+* ``MEGATRON_RL_TEST_STOP_ENGINE=N``: SIGSTOP the embedded engine server right after the driver released the
+  colocated engines' memory for the N-th time in this process (a hold: no ``/health``, no restarts until it ends).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from megatron_rl.orchestration import hooks
 
 KILL_ENV = "MEGATRON_RL_TEST_KILL_ENGINE"
 FAULT_ENV = "MEGATRON_RL_FAULT"
-ENV_NAMES = (KILL_ENV, FAULT_ENV)
+STOP_ENV = "MEGATRON_RL_TEST_STOP_ENGINE"
+ENV_NAMES = (KILL_ENV, FAULT_ENV, STOP_ENV)
 SCRIPT = os.path.abspath(__file__)
 log = logging.getLogger("megatron_rl.fault_injection")
 
@@ -59,6 +62,39 @@ def kill_when_busy(engine, index: int, handle, timeout_s: float = 300.0) -> thre
     return thread
 
 
+def engine_server_pids() -> List[int]:
+    """The run's embedded engine servers (found by the run token every process of the run carries)."""
+    from megatron_rl.orchestration.ray_guard import ENV, run_pids
+
+    out = []
+    for pid in run_pids(os.environ[ENV], []):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"megatron_rl.rollout.embedded.server" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def install_stop_engine(value: Optional[str]) -> None:
+    """``MEGATRON_RL_TEST_STOP_ENGINE`` (module doc)."""
+    if not value:
+        return
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{STOP_ENV}={value!r}: expected N >= 1 (the N-th memory release)")
+    releases = [0]
+
+    def on_released(monitor) -> None:
+        releases[0] += 1
+        if releases[0] == int(value):
+            for pid in engine_server_pids():
+                log.warning("fault injection: SIGSTOP to the engine server (pid %d) while its memory is released", pid)
+                os.kill(pid, signal.SIGSTOP)
+
+    hooks.register("engines_released", on_released)
+
+
 def install(env: Mapping[str, str] = os.environ) -> None:
     """Register the faults ``env`` names (none: nothing)."""
     plan = kill_plan(env.get(KILL_ENV))
@@ -82,6 +118,7 @@ def install(env: Mapping[str, str] = os.environ) -> None:
         hooks.register("before_sync", before_sync)
     if driver_fault:
         hooks.register("after_checkpoint", after_checkpoint)
+    install_stop_engine(env.get(STOP_ENV))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Reliability replay of the tiny recipe (issue 16): bad inputs and injected faults, counted.
 
-    python tools/chaos.py [--inputs] [--faults] [--work DIR]
+    python tools/chaos.py [--inputs] [--faults] [--stalls] [--work DIR]
 
 * **Bad inputs** (:data:`BAD_INPUTS`, in-process ``megatron-rl train ... --dry-run``, or a real start where only
   a run can tell): each must end with exit 2 and one line per problem naming the field or file, no traceback,
@@ -13,6 +13,11 @@
   excluded) must equal the reference's. Also:
   every listening socket of the run's processes is on the loopback interface, and no process of a run outlives
   a SIGKILL'd driver by more than a few seconds.
+* **Stalls** (:func:`stall_faults`, issue 28): the engine server SIGSTOPped while the driver holds the engines
+  (memory released) is detected within ``rollout.control_timeout_s`` and recovered in the run; a SIGSTOPped trainer
+  rank is named in a warning within ``cluster.stall_warn_s``, stops the run with one line after
+  ``cluster.stall_fail_s``, and ``resume=true`` ends with the uninterrupted run's metrics.
+* Further bad-input classes register in :data:`INPUT_CLASSES` and are counted the same way.
 
 Prints markdown tables and writes ``bench_results/chaos.json``. ``tests/e2e/test_reliability.py`` runs both.
 """
@@ -621,15 +626,115 @@ def fault_chain(work: str, a: Dict[str, str], steps: int = 6, log: Callable[[str
 
 
 # ---------------------------------------------------------------------------------------------------------
+# stalls (issue 28): a stopped engine during a hold, a stopped trainer rank
+# ---------------------------------------------------------------------------------------------------------
+
+STALL_BOUNDS = dict(control_timeout_s=20.0, stall_warn_s=8.0, stall_fail_s=24.0)  # small, for a short replay
+
+
+@dataclass
+class StallResult:
+    faults: List[FaultResult] = field(default_factory=list)
+    engine_detect_s: Optional[float] = None  # SIGSTOP of the engine -> the monitor kills it (bound: control_timeout_s)
+    rank_warn_s: Optional[float] = None  # SIGSTOP of a trainer rank -> the warning naming it (bound: stall_warn_s)
+    rank_fail_s: Optional[float] = None  # ... -> the run's one-line error (bound: stall_fail_s)
+    warning: str = ""
+    metrics_equal: bool = False
+    differences: List[str] = field(default_factory=list)
+
+
+def _seconds_until(run: Run, pattern: str, start: float, timeout: float) -> Optional[float]:
+    """Seconds from ``start`` (monotonic) until ``pattern`` is in the run's log; None if the run ended first."""
+    return time.monotonic() - start if run.wait_for(pattern, timeout) else None
+
+
+def stall_faults(work: str, a: Dict[str, str], steps: int = 2, log: Callable[[str], None] = print,
+                 bounds: Dict[str, float] = STALL_BOUNDS) -> StallResult:
+    """A reference run, then one run in which (1) the engine server is SIGSTOPped right after the driver released
+    its memory (a hold: no ``/health``) in step 1 -- it must be detected within ``rollout.control_timeout_s``,
+    killed, restarted and re-synced, and the run goes on -- and (2) the last trainer rank is SIGSTOPped during step
+    2: a warning naming it within ``cluster.stall_warn_s``, one clear error after ``cluster.stall_fail_s``; then
+    ``resume=true`` finishes. Its metrics must equal the reference's (engine/ and timings excluded)."""
+    res = StallResult()
+    common = ["checkpoint.interval=1", "checkpoint.keep_last=0",
+              f"rollout.control_timeout_s={bounds['control_timeout_s']}",
+              f"cluster.stall_warn_s={bounds['stall_warn_s']}", f"cluster.stall_fail_s={bounds['stall_fail_s']}"]
+    ref_out, out = os.path.join(work, "stall_reference"), os.path.join(work, "stalled")
+    for d in (ref_out, out):
+        shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(work, exist_ok=True)
+    ref = Run(overrides(a, ref_out, *common, steps=steps), os.path.join(work, "stall_reference.log"))
+    if ref.wait() != 0:
+        raise RuntimeError(f"the reference run failed: see {ref.log_path}")
+
+    run = Run(overrides(a, out, *common, steps=steps), os.path.join(work, "stall_1.log"),
+              {"MEGATRON_RL_TEST_STOP_ENGINE": "1"})  # tests/fault_hooks.py: SIGSTOP at the 1st memory release
+    run.wait_for(r"fault injection: SIGSTOP to the engine server")
+    t0 = time.monotonic()
+    res.engine_detect_s = _seconds_until(run, r"engine 0 .*is stopped .*killing it", t0, 300)
+    back = run.wait_for(r"engine 0 back in rotation", 600)
+    ok = back and res.engine_detect_s is not None and res.engine_detect_s <= bounds["control_timeout_s"]
+    res.faults.append(FaultResult("SIGSTOP engine while its memory is released (recovered)", None, ok,
+                                  f"detected in {res.engine_detect_s} s; back in rotation: {back}"))
+    log(f"engine SIGSTOP during a hold: detected in {res.engine_detect_s} s, recovered: {back}")
+
+    run.wait_for(r"^.*step 1/")  # step 1 is checkpointed: stop the last trainer rank during step 2
+    victim = _victim(run, "TrainerWorker")
+    os.kill(victim, signal.SIGSTOP)
+    t0 = time.monotonic()
+    res.rank_warn_s = _seconds_until(run, rf"trainer rank \d \(node .*, pid {victim}\) has been silent", t0, 300)
+    res.warning = next((x for x in run.text().splitlines() if "has been silent" in x), "")
+    code = run.wait(600)
+    res.rank_fail_s = time.monotonic() - t0
+    record_ok = (code == 1 and res.rank_warn_s is not None and res.rank_warn_s <= bounds["stall_warn_s"] + 5
+                 and bounds["stall_fail_s"] <= res.rank_fail_s)
+    line = next((x for x in run.text().splitlines() if x.startswith("megatron-rl train:")), "")
+    record_ok &= bool(re.search(rf"failed: trainer rank \d \(node .*, pid {victim}\) has been silent for \d+ s "
+                                r"\(last phase: \w+\) >= cluster.stall_fail_s.*resume=true continues from the latest "
+                                r"checkpoint, .*iter_0000001", line))
+    record_ok &= "Traceback (most recent call last)" not in run.text().split("megatron-rl train:")[-1]
+    res.faults.append(FaultResult("SIGSTOP trainer rank (warned, stopped, resumed)", code, record_ok, line[:400],
+                                  res.rank_fail_s))
+    log(f"trainer rank SIGSTOP: warned after {res.rank_warn_s} s, run ended (exit {code}) after "
+        f"{res.rank_fail_s:.1f} s: {line[:200]}")
+
+    resumed = Run(overrides(a, out, *common, "resume=true", steps=steps), os.path.join(work, "stall_2.log"))
+    if resumed.wait() != 0:
+        raise RuntimeError(f"the resumed run failed: see {resumed.log_path}")
+    res.differences = metric_differences(metrics(ref_out), metrics(out))
+    res.metrics_equal = not res.differences
+    log(f"metrics equal to the reference: {res.metrics_equal} {res.differences[:5]}")
+    return res
+
+
+# Other bad-input classes (e.g. requests against the rollout server) plug in here: name -> (work dir, assets) ->
+# their results; main() counts each class like BAD_INPUTS.
+INPUT_CLASSES: Dict[str, Callable[[str, Dict[str, str]], List[InputResult]]] = {}
+
+
+def _print_inputs(title: str, results: List[InputResult]) -> Dict[str, int]:
+    print(f"| {title} | exit | clear one-line error | traceback | data lost |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.name} | {r.exit_code} | {'yes' if r.clear else 'NO'} | {'YES' if r.traceback else 'no'} | "
+              f"{'YES' if r.data_lost else 'no'} |")
+    counts = dict(tried=len(results), clear=sum(r.clear for r in results),
+                  tracebacks=sum(r.traceback for r in results), data_lost=sum(r.data_lost for r in results))
+    print(f"\n{title} tried / clear one-line errors / tracebacks / data lost: {counts['tried']} / "
+          f"{counts['clear']} / {counts['tracebacks']} / {counts['data_lost']}\n")
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inputs", action="store_true", help="only the bad inputs")
     ap.add_argument("--faults", action="store_true", help="only the fault chain")
+    ap.add_argument("--stalls", action="store_true", help="only the stall faults (stopped engine, stopped rank)")
     ap.add_argument("--work", default="runs/chaos", help="working directory (deleted first)")
     args = ap.parse_args()
-    both = not (args.inputs or args.faults)
+    both = not (args.inputs or args.faults or args.stalls)
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     a = assets(os.path.join(args.work, "assets"))
@@ -656,6 +761,22 @@ def main() -> int:
               f"{'yes' if chain.metrics_equal else 'NO'}; listening sockets {len(chain.sockets)}, non-loopback "
               f"{chain.non_loopback}; processes alive 10 s after the driver's kill -9: {chain.lingering_after_kill}")
         report["faults"] = asdict(chain)
+    if both or args.inputs:
+        for name, fn in INPUT_CLASSES.items():
+            report[name] = dict(counts=_print_inputs(name, fn(os.path.join(args.work, name), a)))
+    if both or args.stalls:
+        st = stall_faults(os.path.join(args.work, "stalls"), a)
+        print("| stall fault | exit | survived | seconds | detail |\n|---|---|---|---|---|")
+        for f in st.faults:
+            secs = "" if f.seconds_to_exit is None else f"{f.seconds_to_exit:.1f}"
+            print(f"| {f.fault} | {f.exit_code} | {'yes' if f.survived else 'NO'} | {secs} | {f.detail[:120]} |")
+        print(f"\nstall faults tried / survived / metrics equal after resume: {len(st.faults)} / "
+              f"{sum(f.survived for f in st.faults)} / {'yes' if st.metrics_equal else 'NO'}; engine detected in "
+              f"{st.engine_detect_s} s (bound {STALL_BOUNDS['control_timeout_s']:g}), rank warned in "
+              f"{st.rank_warn_s} s "
+              f"(bound {STALL_BOUNDS['stall_warn_s']:g}), run stopped after {st.rank_fail_s} s (bound "
+              f"{STALL_BOUNDS['stall_fail_s']:g})")
+        report["stalls"] = asdict(st)
     os.makedirs(os.path.join(REPO, "bench_results"), exist_ok=True)
     with open(os.path.join(REPO, "bench_results", "chaos.json"), "w") as f:
         json.dump(report, f, indent=1)

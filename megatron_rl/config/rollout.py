@@ -191,7 +191,16 @@ class ClientConfig:
     # batches whatever is in flight; too few leaves the tail of a step's samples queued client-side)
     max_samples_in_flight: int = 256
     request_timeout_s: float = 600.0
+    # every control call (pause / continue / flush / release and resume memory / weight version): an engine that
+    # does not answer one within this is reported to engine recovery, not waited for request_timeout_s
+    control_timeout_s: float = 30.0
     logprob_mode: Literal["raw", "processed"] = "raw"
+
+    def __post_init__(self) -> None:
+        t = self.control_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"rollout.control_timeout_s={t!r}: expected a finite number of seconds > 0 (e.g. 30); "
+                             "it bounds each pause / flush / memory / weight-version call to an engine")
 
 
 @dataclass(frozen=True)
@@ -247,6 +256,7 @@ ALIASES: Dict[str, str] = {
     "sglang": "engines.sglang",
     "balancer": "client.balancer", "max_concurrency": "client.max_concurrency",
     "max_samples_in_flight": "client.max_samples_in_flight", "request_timeout_s": "client.request_timeout_s",
+    "control_timeout_s": "client.control_timeout_s",
     "logprob_mode": "client.logprob_mode",
     "weight_transport": "weights.transport", "weight_sync": "weights.sync",
     "mode": "overlap.mode", "max_staleness": "overlap.max_staleness", "partial": "overlap.partial",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Literal, Mapping, Optional
@@ -147,6 +148,15 @@ class LoggingConfig:
     warn_no_update_steps: int = 10
 
 
+def check_stall_bounds(warn_s: Any, fail_s: Any) -> None:
+    for name, v in (("stall_warn_s", warn_s), ("stall_fail_s", fail_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            raise ValueError(f"cluster.{name}={v!r}: expected a finite number of seconds > 0")
+    if fail_s < warn_s:
+        raise ValueError(f"cluster.stall_fail_s={fail_s!r} < cluster.stall_warn_s={warn_s!r}: a silent trainer rank is "
+                         "warned about first, then the run stops; set stall_fail_s >= stall_warn_s")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Ray: where to run and what each worker reserves."""
@@ -159,6 +169,13 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0  # disaggregated SGLang: rollout.sglang.tp_size
     threads_per_worker: int = 1  # torch intra-op threads in each worker (OMP_NUM_THREADS)
     backend: Optional[str] = None  # torch.distributed backend (None: nccl with CUDA, else gloo)
+    # trainer heartbeats (orchestration/heartbeat.py): a rank silent this long is named in a warning, and after
+    # stall_fail_s the run stops (resume=true continues from the last committed checkpoint)
+    stall_warn_s: float = 60.0
+    stall_fail_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_stall_bounds(self.stall_warn_s, self.stall_fail_s)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,11 @@ weights, one version ahead of the other engines; its samples carry that version 
 
 Holds: while the driver itself makes engines unresponsive (memory released for colocated training, a weight
 sync) nothing is judged by ``/health`` and nothing restarts; an exit seen meanwhile is recovered when the
-hold ends (a restarted colocated engine must not take accelerator memory while the trainer runs). A hold
+hold ends (a restarted colocated engine must not take accelerator memory while the trainer runs). Liveness is
+still watched then: a server whose processes are stopped (SIGSTOP; read from ``/proc`` by its handle, no request)
+is killed within ``poll_s`` + 1 s, so a call waiting on it fails at once, and it is recovered like a crashed one.
+Every control call the driver makes meanwhile is bounded by ``rollout.control_timeout_s`` (a hung server that
+still runs: the call fails, the server is reported, ``/health`` judges it when the hold ends). A hold
 waits for running recoveries first. After a failed weight sync, :meth:`EngineMonitor.recover_all` checks
 every engine, recovers the broken ones and tells the caller whether a retry makes sense.
 
@@ -53,6 +57,7 @@ import ray
 from megatron_rl.config import RecoveryConfig
 from megatron_rl.orchestration.failures import RunError, actor_death
 from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.client.proc_state import STOPPED
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,9 @@ class EngineHandle(Protocol):
 
     def log_tail(self) -> str:
         """The last lines of the server's log, with the log's path."""
+
+    def kill(self) -> None:
+        """SIGKILL the server (a stopped one, so that calls waiting on it fail now)."""
 
 
 class ActorEngine:
@@ -250,7 +258,7 @@ class EngineMonitor:
 
     def _diagnose(self, i: int, probe: bool) -> Optional[str]:
         """Why engine ``i`` must be restarted, or None. ``probe``: ask ``/health`` even without a suspicion."""
-        status = self.handles[i].exit_status()
+        status = self._exit_status(i)
         if status is not None:
             return f"its server process {status}"
         with self._cv:
@@ -274,9 +282,20 @@ class EngineMonitor:
                     log.warning("engine %d (%s): %s, but it is alive and healthy: back in rotation", i, client.url, why)
                 self.engine.set_available(i, True)  # also restarts its stall clock
             return None
-        status = self.handles[i].exit_status()  # it may have died while we asked
+        status = self._exit_status(i)  # it may have died while we asked
         return (f"its server process {status}" if status is not None else
                 f"hung: {why}; /health failed or did not answer within {self.config.health_timeout_s:.0f} s")
+
+    def _exit_status(self, i: int) -> Optional[str]:
+        """The handle's exit status; a server seen stopped (SIGSTOP) is killed at once, even during a hold: the
+        calls waiting on it (a weight sync, a memory hand-over) then fail now instead of at their timeouts, and
+        its restart waits for the hold's end like a crashed server's."""
+        status = self.handles[i].exit_status()
+        if status is not None and status.startswith(STOPPED):
+            log.warning("engine %d (%s): its server process %s: killing it (it would hold every call to it)", i,
+                        self.engine.clients[i].url, status)
+            self.handles[i].kill()
+        return status
 
     def _mark_down(self, i: int, reason: str) -> None:
         with self._cv:

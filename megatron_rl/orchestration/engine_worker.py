@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
@@ -36,7 +37,11 @@ import torch
 
 from megatron_rl.config import SGLangConfig
 from megatron_rl.rollout.client.process import launch_embedded_server
+from megatron_rl.rollout.client.proc_state import STOPPED
 from megatron_rl.rollout.client.sglang import SGLangServerConfig, launch_sglang_server
+
+
+STOPPED_GRACE_S = 1.0  # seen stopped at two polls this far apart: judged stopped
 
 
 @dataclass
@@ -71,6 +76,7 @@ class EngineWorker:
         self.spec = spec
         self.process = None  # the ManagedServer
         self.devices: Optional[str] = None
+        self._stopped_since: Optional[float] = None  # when the server was first seen stopped (exit_status)
 
     def start(self, cuda_visible_devices: Optional[str] = None) -> str:
         """Start the server; returns its URL (reachable from the driver and the trainers).
@@ -113,19 +119,32 @@ class EngineWorker:
     # ---- recovery (engine_health.py) ----------------------------------------------------------------
 
     def exit_status(self) -> Optional[str]:
-        """None while the server process runs; else how it ended (``exited with code -9 (SIGKILL)``)."""
+        """None while the server process runs; else how it ended (``exited with code -9 (SIGKILL)``), or
+        :data:`STOPPED` ... once its processes have stayed stopped (SIGSTOP) for ``STOPPED_GRACE_S`` (a stopped
+        server answers nothing, whether the driver holds the engines or not)."""
         proc = self.process.proc if self.process is not None else None
         if proc is None:
             return "was never started"
         code = proc.poll()
         if code is None:
-            return None
+            return self._stopped_status()
         if code < 0:
             try:
                 return f"exited with code {code} ({signal.Signals(-code).name})"
             except ValueError:
                 pass
         return f"exited with code {code}"
+
+    def _stopped_status(self) -> Optional[str]:
+        pids = self.process.stopped()
+        if not pids:
+            self._stopped_since = None
+            return None
+        now = time.monotonic()
+        since = self._stopped_since = self._stopped_since or now
+        if now - since < STOPPED_GRACE_S:
+            return None  # seen once: it may be a SIGSTOP + SIGCONT pair (job control)
+        return f"{STOPPED} (state T, pids {pids}) for {now - since:.0f} s"
 
     def kill(self) -> None:
         """SIGKILL the server and its workers (what a crash looks like)."""

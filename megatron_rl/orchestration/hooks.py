@@ -2,6 +2,7 @@
 
     hooks.fire("rollout", step=..., engine=..., monitor=...)      a step's rollout is about to start
     hooks.fire("before_sync", version=..., monitor=...)          engines up, right before a weight sync
+    hooks.fire("engines_released", monitor=...)                  colocated engines released their memory (a hold)
     hooks.fire("after_checkpoint", step=...)                     the step's checkpoint is committed
 
 Nothing is registered in a normal run, so each point costs a dictionary look-up. The fault injectors of the
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List
 
 Hook = Callable[..., None]
-POINTS = ("rollout", "before_sync", "after_checkpoint")
+POINTS = ("rollout", "before_sync", "after_checkpoint", "engines_released")
 
 _registry: Dict[str, List[Hook]] = {}
 

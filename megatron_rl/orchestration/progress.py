@@ -8,7 +8,7 @@ the driver draws the bars while it waits for the call (:meth:`ProgressBoard.wait
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
@@ -62,14 +62,17 @@ class ProgressBoard:
     def reporter(self) -> Reporter:
         return Reporter(self.actor)
 
-    def wait(self, refs: List[Any]) -> List[Any]:
-        """``ray.get(refs)``, drawing the reported bars meanwhile (each closes when its call returns)."""
+    def wait(self, refs: List[Any], on_poll: Optional[Callable[[], None]] = None) -> List[Any]:
+        """``ray.get(refs)``, drawing the reported bars meanwhile (each closes when its call returns); ``on_poll``
+        (the trainer heartbeat's check, which raises to stop waiting) is called between polls."""
         bars: Dict[str, Any] = {}
         try:
             pending = list(refs)
             while pending:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-                self._draw(bars, ray.get(self.actor.take.remote()))
+                if on_poll is not None:
+                    on_poll()
+                self._draw(bars, ray.get(self.actor.take.remote(), timeout=60))
             return ray.get(refs)
         finally:
             for bar in bars.values():

@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -21,7 +20,7 @@ from megatron_rl.data.rewards.runner import RewardRunner
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.metrics import PhaseTimer
 from megatron_rl.models.build import load_arch
-from megatron_rl.orchestration import placement
+from megatron_rl.orchestration import placement, ray_waits
 from megatron_rl.orchestration.colocation import Colocation
 from megatron_rl.orchestration.engine_worker import EngineSpec
 from megatron_rl.orchestration.progress import maybe_board
@@ -125,18 +124,23 @@ def connect(cfg: RunConfig, cluster: Cluster, timer: PhaseTimer, closers: Closer
         closers.append(board.close)
     cluster.trainers = TrainerGroup(cluster.placement.trainers, progress=board, work=_dp_work(cfg))
     cluster.trainers.setup()
-    urls = ray.get(url_refs) if url_refs else list(r.urls)
+    cluster.trainers.start_heartbeat(cfg.cluster.stall_warn_s, cfg.cluster.stall_fail_s)
+    closers.append(cluster.trainers.stop_heartbeat)
+    # each launch has its own health timeout; the margin covers the interpreter start around it
+    launch_s = max(EngineSpec.launch_timeout_s, r.sglang.health_timeout_s) + ray_waits.SHORT_S
+    urls = ray_waits.get(url_refs, launch_s, "starting the rollout engines") if url_refs else list(r.urls)
     logger.info("rollout servers: %s", urls)
     layout = None
     if cfg.train.routing_replay:
         arch = load_arch(cfg.model.hf_path)
         cluster.routing, layout = RoutingLayout.from_arch(arch), expert_layout(arch)
     clients = [SGLangClient(u, timeout_s=r.request_timeout_s, expert_layout=layout, logprob_mode=r.logprob_mode,
-                            max_in_flight=r.max_samples_in_flight) for u in urls]
+                            max_in_flight=r.max_samples_in_flight, control_timeout_s=r.control_timeout_s) for u in urls]
     cluster.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
     closers.append(cluster.engine.shutdown)
     cluster.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s,
-                                     pause_mode="in_place" if r.partial else None)
+                                     pause_mode="in_place" if r.partial else None,
+                                     control_timeout_s=r.control_timeout_s)
     if r.placement == "colocated" and cluster.placement.engines:
         offload = r.offload_trainer if r.offload_trainer is not None else cfg.cluster.gpus_per_trainer > 0
         cluster.colocation = Colocation(cluster.engine, cluster.trainers, timer, offload_trainer=offload,
@@ -148,7 +152,7 @@ def _start_engines(cfg: RunConfig, placed: placement.Placement) -> list:
     r, engines = cfg.rollout, placed.engines
     if not (r.engine == "sglang" and r.placement == "colocated"):
         return [e.start.remote() for e in engines]
-    ids = ray.get([t.device_ids.remote() for t in placed.trainers])
+    ids = ray_waits.get([t.device_ids.remote() for t in placed.trainers], ray_waits.SHORT_S, "trainer device ids")
     devices = placement.colocated_devices(ids, placement.engine_tp(r), len(engines))
     return [e.start.remote(d) for e, d in zip(engines, devices)]
 

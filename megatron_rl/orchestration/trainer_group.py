@@ -4,7 +4,9 @@ data-parallel shard of the batch, and comes back as one result.
 Megatron's collectives need every rank inside the same call, so a method is always invoked on all
 actors before any result is awaited -- and submitted under one lock: the engine-recovery thread
 (``engine_health.py``) also starts collective calls (:meth:`TrainerGroup.sync_engine`), and every rank's
-actor must receive the calls in the same order. Per-sequence results (forward log-probs) come from one rank per
+actor must receive the calls in the same order. While a call runs, the ranks' heartbeats are checked
+(``heartbeat.py``): a rank silent for ``cluster.stall_fail_s`` ends the wait with one clear error.
+Per-sequence results (forward log-probs) come from one rank per
 data-parallel replica and are put back together in batch order. The batch is split over data-parallel ranks contiguously, or, with a
 token budget (``work`` given), balanced by estimated work (:func:`megatron_rl.training.token_budget.rank_rows`).
 """
@@ -19,7 +21,7 @@ import ray
 import torch
 
 from megatron_rl.objectives import ObjectiveConfig
-from megatron_rl.orchestration import failures
+from megatron_rl.orchestration import failures, heartbeat, ray_waits
 from megatron_rl.orchestration.progress import ProgressBoard
 from megatron_rl.training.batch import TrainBatch
 from megatron_rl.training.results import ForwardResult, StepResult
@@ -37,6 +39,7 @@ class TrainerGroup:
         # version, or the step of the last submitted train step (what a restarted engine is given)
         self.weights_version = "default"
         self.work = work  # sequence lengths -> estimated work: balance the DP split by it (None: contiguous)
+        self.stall: Optional[heartbeat.StallWatch] = None  # trainer heartbeats (start_heartbeat)
 
     def _submit(self, method: str, *args: Any, per_rank: Optional[List[tuple]] = None) -> List[Any]:
         return [getattr(w, method).remote(*(per_rank[i] if per_rank is not None else args))
@@ -51,8 +54,11 @@ class TrainerGroup:
         return self._get(refs, method)
 
     def _get(self, refs: List[Any], method: str, bars: bool = True) -> List[Any]:
+        check = self.stall.check if self.stall is not None else None
         try:
-            return ray.get(refs) if self.progress is None or not bars else self.progress.wait(refs)
+            if self.progress is not None and bars:
+                return self.progress.wait(refs, on_poll=check)
+            return ray.get(refs) if check is None else _wait_checked(refs, check, self.stall.poll_s)
         except ray.exceptions.RayActorError as e:
             raise self._dead_rank(method, refs, e) from None
         except ray.exceptions.RayTaskError as e:
@@ -93,10 +99,22 @@ class TrainerGroup:
 
     # ---- set-up --------------------------------------------------------------------------------------
     def setup(self) -> None:
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        addr, port = ray_waits.get(self.workers[0].rendezvous_address.remote(), ray_waits.SHORT_S,
+                                   "trainer rank 0's rendezvous address")
         self.infos = self._call("setup", addr, port)
         if self.progress is not None:
             self._call("set_progress", self.progress.reporter())
+
+    def start_heartbeat(self, warn_s: float, fail_s: float) -> None:
+        """Every rank beats to a board the driver watches (``heartbeat.py``); a rank silent for ``fail_s`` makes
+        the driver's waits for trainer calls raise ``TrainerStallError``."""
+        board = heartbeat.new_board()
+        self._call("start_heartbeat", board, heartbeat.beat_interval(warn_s))
+        self.stall = heartbeat.StallWatch(board, warn_s, fail_s).start()
+
+    def stop_heartbeat(self) -> None:
+        if self.stall is not None:
+            self.stall.stop()
 
     @property
     def dp(self) -> int:
@@ -131,8 +149,8 @@ class TrainerGroup:
 
     # ---- weights and checkpoints ----------------------------------------------------------------------
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float,
-                        pause_mode: Optional[str] = None) -> None:
-        self._call("connect_engines", urls, transport, policy, timeout_s, pause_mode)
+                        pause_mode: Optional[str] = None, control_timeout_s: float = 30.0) -> None:
+        self._call("connect_engines", urls, transport, policy, timeout_s, pause_mode, control_timeout_s)
 
     def sync_weights(self, version: Any, check: Optional[bool] = None):
         return self._call("sync_weights", version, check, version=version)[0]
@@ -172,10 +190,24 @@ class TrainerGroup:
 
     # ---- profiling (not collective: only the chosen ranks) ---------------------------------------------
     def start_profile(self, ranks: List[int], path_of_rank, **options) -> None:
-        ray.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks])
+        ray_waits.get([self.workers[r].start_profile.remote(path_of_rank(r), **options) for r in ranks],
+                      ray_waits.SHORT_S, "starting the trainer profiler")
 
     def stop_profile(self, ranks: List[int]) -> List[Optional[str]]:
-        return ray.get([self.workers[r].stop_profile.remote() for r in ranks])
+        return ray_waits.get([self.workers[r].stop_profile.remote() for r in ranks], 600.0,
+                             "writing the trainer profiles")
+
+
+def _wait_checked(refs: List[Any], check: Callable[[], None], poll_s: float) -> List[Any]:
+    """``ray.get(refs)``, calling ``check`` (which raises to stop waiting) every ``poll_s``; a finished call's
+    error is raised as soon as it is in."""
+    results: Dict[Any, Any] = {}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        results.update(zip(ready, ray.get(ready)))  # each result fetched (deserialised) once
+        check()
+    return [results[r] for r in refs]
 
 
 def _max_over_ranks(per_rank: List[Dict[str, float]]) -> Dict[str, float]:

@@ -22,7 +22,7 @@ class TrainerWeights:
     """connect_engines, sync_weights, sync_engine, check_weights of TrainerWorker."""
 
     def connect_engines(self, urls: List[str], transport: str, policy: str, timeout_s: float = 600.0,
-                        pause_mode: Optional[str] = None) -> None:
+                        pause_mode: Optional[str] = None, control_timeout_s: float = 30.0) -> None:
         """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
         hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport).
         ``pause_mode="in_place"`` (partial rollouts): each sync holds the engines' running requests in place
@@ -36,7 +36,8 @@ class TrainerWeights:
             layout = None
             if self.spec.weight_sync.replay_routing:  # the probe check asks the engines for their routing
                 layout = expert_layout(self.trainer.built.arch)
-            clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout) for u in urls]
+            clients = [SGLangClient(u, timeout_s=timeout_s, expert_layout=layout, control_timeout_s=control_timeout_s)
+                       for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport, pause_mode=pause_mode)
             self._init_weight_group(self.engine)
         self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync, transport=self._ipc)

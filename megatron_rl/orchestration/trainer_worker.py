@@ -35,6 +35,7 @@ from megatron_rl.models.config import ModelConfig, torch_dtype
 from megatron_rl.models.weights import save_hf_checkpoint
 from megatron_rl.objectives import ObjectiveConfig
 from megatron_rl.orchestration.failures import identity
+from megatron_rl.orchestration.heartbeat import Beater
 from megatron_rl.orchestration.trainer_weights import TrainerWeights
 from megatron_rl.parallel import ParallelLayout
 from megatron_rl.profiling import Capture
@@ -81,6 +82,7 @@ class TrainerWorker(TrainerWeights):
         self.reporter = None  # progress: reports to the driver's bars (orchestration.progress)
         self.offloader = None  # colocated: optimizer state + gradient buffers to host memory and back
         self.capture = None  # a torch-profiler session (profile.steps)
+        self.beater = None  # trainer heartbeats (start_heartbeat)
 
     # ---- set-up ------------------------------------------------------------------------------------
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -111,6 +113,10 @@ class TrainerWorker(TrainerWeights):
 
             info.update(device_peak_flops(torch_dtype(spec.model)))
         return info
+
+    def start_heartbeat(self, board, interval_s: float) -> None:
+        """Beat to the driver's board every ``interval_s`` from a thread of this rank (``heartbeat.py``)."""
+        self.beater = Beater(board, self.rank, interval_s).start()
 
     def set_progress(self, reporter) -> None:
         """Bars for micro-batches (from the first replica's first TP rank: every replica runs as many)
@@ -196,6 +202,8 @@ class TrainerWorker(TrainerWeights):
         save_hf_checkpoint(self.trainer.built, path)
 
     def shutdown(self) -> None:
+        if self.beater is not None:
+            self.beater.stop()
         if self.engine is not None:
             self.engine.shutdown()
         parallel.destroy()

@@ -87,3 +87,18 @@ def test_fault_chain_resumes_to_the_uninterrupted_metrics(tmp_path, assets):
     failed = [(f.fault, f.exit_code, f.detail) for f in res.faults if not f.survived]
     assert not failed, failed
     assert res.metrics_equal, res.differences[:10]
+
+
+def test_stopped_engine_and_trainer_rank_are_caught_within_their_bounds_and_resume_equal(tmp_path, assets):
+    """Issue 28: the engine server SIGSTOPped while its memory is released (a hold) is detected within
+    rollout.control_timeout_s and recovered in the run; a SIGSTOPped trainer rank is named within
+    cluster.stall_warn_s, the run stops with one line after cluster.stall_fail_s, and resume=true ends with the
+    uninterrupted run's metrics."""
+    res = chaos.stall_faults(str(tmp_path), assets)
+    bounds = chaos.STALL_BOUNDS
+    assert res.engine_detect_s is not None and res.engine_detect_s <= bounds["control_timeout_s"], res
+    assert res.rank_warn_s is not None and res.rank_warn_s <= bounds["stall_warn_s"] + 5, res
+    assert bounds["stall_fail_s"] <= res.rank_fail_s, res
+    failed = [(f.fault, f.exit_code, f.detail) for f in res.faults if not f.survived]
+    assert not failed, failed
+    assert res.metrics_equal, res.differences[:10]

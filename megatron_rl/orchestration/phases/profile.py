@@ -6,10 +6,9 @@ import logging
 import os
 from typing import Optional
 
-import ray
-
 from megatron_rl.config import RunConfig
 from megatron_rl.metrics import PhaseTimer
+from megatron_rl.orchestration import ray_waits
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 
 logger = logging.getLogger(__name__)
@@ -30,8 +29,8 @@ class Profiler:
         with self.timer.phase("profile"):
             self.trainers.start_profile(p.trainer_ranks, lambda r: os.path.join(d, f"trainer_rank{r}.json"), **opts)
             if p.engines:
-                ray.get([e.start_profile.remote(os.path.join(d, f"engine{i}"), **opts)
-                         for i, e in enumerate(self.engines)])
+                ray_waits.get([e.start_profile.remote(os.path.join(d, f"engine{i}"), **opts)
+                               for i, e in enumerate(self.engines)], ray_waits.SHORT_S, "starting the engine profilers")
         self._profiling = step
 
     def stop(self, step: int) -> None:
@@ -41,6 +40,7 @@ class Profiler:
         with self.timer.phase("profile"):
             self.trainers.stop_profile(p.trainer_ranks)
             if p.engines:
-                ray.get([e.stop_profile.remote() for e in self.engines])
+                ray_waits.get([e.stop_profile.remote() for e in self.engines], ray_waits.SHORT_S,
+                              "stopping the engine profilers")
         self._profiling = None
         logger.info("step %d: profiler traces in %s", step, p.step_dir(self.cfg.output_dir, step))

@@ -38,7 +38,9 @@ class WeightPublisher:
             return {}
         if self.monitor is not None:  # released engines answer no /health; restarts wait for the resume
             self._release_hold = self.monitor.hold("memory released")
-        return self.colocation.to_training()
+        metrics = self.colocation.to_training()
+        hooks.fire("engines_released", monitor=self.monitor)
+        return metrics
 
     def resume_engines(self) -> None:
         """Whatever the engines still hold released (nothing after a sync) comes back."""

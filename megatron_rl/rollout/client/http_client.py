@@ -89,13 +89,14 @@ class SGLangClient(WeightCalls):
     def __init__(self, url: str, timeout_s: float = 600.0, retry: Optional[RetryPolicy] = None,
                  restart: Optional[Callable[[], None]] = None, is_alive: Optional[Callable[[], bool]] = None,
                  expert_layout: Optional[ExpertLayout] = None, logprob_mode: str = "raw",
-                 shared_files: Optional[bool] = None, max_in_flight: int = 256):
+                 shared_files: Optional[bool] = None, max_in_flight: int = 256, control_timeout_s: float = 30.0):
         parsed = urllib.parse.urlparse(url if "://" in url else f"http://{url}")
         if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
             raise ValueError(f"url={url!r}: expected http://host:port")
         self.url = f"http://{parsed.hostname}:{parsed.port}"
         self._host, self._port = parsed.hostname, parsed.port
         self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s  # control calls (pause, flush, memory, version): short
         self.retry = retry or RetryPolicy()
         self.restart, self.is_alive = restart, is_alive
         self.expert_layout = expert_layout  # to decode SGLang's routed_experts (MoE models)
@@ -113,7 +114,8 @@ class SGLangClient(WeightCalls):
     def with_url(self, url: str) -> "SGLangClient":
         """A client with this one's settings for another server (a restarted engine's new address)."""
         return SGLangClient(url, self.timeout_s, self.retry, self.restart, self.is_alive, self.expert_layout,
-                            self.logprob_mode, max_in_flight=self.max_in_flight)
+                            self.logprob_mode, max_in_flight=self.max_in_flight,
+                            control_timeout_s=self.control_timeout_s)
 
     # ---- transport ---------------------------------------------------------------------------------
 
@@ -259,35 +261,44 @@ class SGLangClient(WeightCalls):
         return (wire.parse_input_logprobs(answer, token_ids),
                 wire.parse_prompt_routes(answer, len(token_ids), self.expert_layout))
 
-    def flush_cache(self) -> None:
+    def _control(self, path: str, body: Any, timeout_s: Optional[float]) -> Any:
+        """A control call, bounded by ``timeout_s`` (default ``control_timeout_s``): an engine that does not answer
+        raises ``ServerUnavailableError`` (engine recovery's cue) instead of holding the caller for
+        ``request_timeout_s``."""
+        return self.request("POST", path, body, timeout_s=timeout_s or self.control_timeout_s)
+
+    def flush_cache(self, timeout_s: Optional[float] = None) -> None:
         """Drop the prefix cache (KV computed by the old weights); refused (400) while requests run."""
-        self.request("POST", "/flush_cache", {})
+        self._control("/flush_cache", {}, timeout_s)
 
-    def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
-        self.request("POST", "/release_memory_occupation", {"tags": tags} if tags else {})
+    def release_memory_occupation(self, tags: Optional[List[str]] = None, timeout_s: Optional[float] = None) -> None:
+        self._control("/release_memory_occupation", {"tags": tags} if tags else {}, timeout_s)
 
-    def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
-        self.request("POST", "/resume_memory_occupation", {"tags": tags} if tags else {})
+    def resume_memory_occupation(self, tags: Optional[List[str]] = None, timeout_s: Optional[float] = None) -> None:
+        self._control("/resume_memory_occupation", {"tags": tags} if tags else {}, timeout_s)
 
-    def pause_generation(self, mode: str = "abort") -> None:
-        self.request("POST", "/pause_generation", {"mode": mode})
+    def pause_generation(self, mode: str = "abort", timeout_s: Optional[float] = None) -> None:
+        self._control("/pause_generation", {"mode": mode}, timeout_s)
 
-    def continue_generation(self) -> None:
-        self.request("POST", "/continue_generation", {})
+    def continue_generation(self, timeout_s: Optional[float] = None) -> None:
+        self._control("/continue_generation", {}, timeout_s)
 
-    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+    def abort_request(self, rid: Optional[str] = None, abort_all: bool = False,
+                      timeout_s: Optional[float] = None) -> None:
         """Abort every sample of the request ``rid`` (by the rids this client gave them), or everything."""
         if abort_all:
-            self.request("POST", "/abort_request", {"abort_all": True})
+            self._control("/abort_request", {"abort_all": True}, timeout_s)
             return
         with self._lock:
             rids = list(self._children.get(rid, [rid]))
         for r in rids:
-            self.request("POST", "/abort_request", {"rid": r, "abort_all": False})
+            self._control("/abort_request", {"rid": r, "abort_all": False}, timeout_s)
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
-        self._expect_success(self.request("POST", "/update_weight_version",
-                                          {"new_version": str(new_version), "abort_all_requests": abort_all_requests}))
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False,
+                              timeout_s: Optional[float] = None) -> None:
+        self._expect_success(self._control("/update_weight_version", {"new_version": str(new_version),
+                                                                      "abort_all_requests": abort_all_requests},
+                                           timeout_s))
 
     def _expect_success(self, answer: Any) -> None:
         if isinstance(answer, dict) and answer.get("success") is False:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+from megatron_rl.rollout.client.proc_state import stopped_in_group
 
 
 class ServerLaunchError(RuntimeError):
@@ -72,6 +73,10 @@ class ManagedServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def stopped(self) -> List[int]:
+        """The server's processes (its own session's group) stopped by SIGSTOP: it cannot answer."""
+        return stopped_in_group(self.proc.pid) if self.alive() else []
 
     def restart(self) -> None:
         self.stop()
