@@ -28,9 +28,9 @@ ONE_TRY = RetryPolicy(max_attempts=1)
 
 
 @pytest.fixture
-def server(tmp_path):
-    s = EmbeddedServer(EmbeddedEngine(tiny_qwen3(), EmbeddedEngineConfig(seeds="deterministic")),
-                       profile_dir=str(tmp_path / "profiles")).start()
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path / "profiles"))  # the default --profile-dir
+    s = EmbeddedServer(EmbeddedEngine(tiny_qwen3(), EmbeddedEngineConfig(seeds="deterministic"))).start()
     yield s
     s.stop()
 
