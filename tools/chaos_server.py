@@ -272,8 +272,8 @@ def tiny_server(profile_dir: str):
     cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
     model = Qwen3ForCausalLM(cfg).eval()
-    return EmbeddedServer(EmbeddedEngine(model, EmbeddedEngineConfig(seeds="deterministic")),
-                          profile_dir=profile_dir).start()
+    os.environ["SGLANG_TORCH_PROFILER_DIR"] = profile_dir  # the server's default --profile-dir (any version)
+    return EmbeddedServer(EmbeddedEngine(model, EmbeddedEngineConfig(seeds="deterministic"))).start()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

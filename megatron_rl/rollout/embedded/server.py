@@ -31,7 +31,10 @@ reports ``tp_size`` N and reads SGLang's per-rank tensor payloads as N ranks wou
 decoded and required to hold the whole bucket; a weight group it joins as one rank, so only with N = 1),
 a weight update while the ``weights`` memory is released refused (SGLang would write into unmapped
 memory), and request caps (``--max-n``, ``--max-request-rows``, ``--max-request-tokens``: 400 naming the
-limit) so that one request cannot exhaust the machine.
+limit) so that one request cannot exhaust the machine. Every ``/generate`` is checked field by field as SGLang
+checks it before it can join the shared batch (``request_validation.py``); bodies, chunked or not, and strict JSON
+answers: ``http_body.py``; what a client may make the server store, write or wait for (weight versions, NaN/inf
+buckets, ``/start_profile`` only inside ``--profile-dir``, a weight group's master): ``guards.py``.
 Not supported (a clear 400): text input, streaming, images, LoRA, grammars.
 
 Run: ``python -m megatron_rl.rollout.embedded.server --model-path DIR [--port N] [--enable-deterministic-inference]``.
