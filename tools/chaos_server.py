@@ -1,6 +1,6 @@
 """Bad inputs against the rollout server (issue 28, server side), counted: clear 4xx / tracebacks / hangs.
 
-    python tools/chaos_server.py [--json bench_results/chaos_server.json]
+    python tools/chaos_server.py [--json bench_results/chaos_server.json] [--only NAME]
 
 Starts the embedded server over a tiny model in this process and sends every case of :func:`server_cases`, each
 next to a well-formed ``/generate`` request that must still answer 200 (one client's bad request must not fail
@@ -278,7 +278,7 @@ def tiny_server(profile_dir: str):
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=os.path.join("bench_results", "chaos_server.json"), help="write the results here")
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="chaos-server-")

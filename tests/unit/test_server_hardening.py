@@ -17,6 +17,7 @@ from safetensors.torch import save
 
 from megatron_rl.rollout.client import wire
 from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.embedded import http_body
 from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_rl.rollout.embedded.server import EmbeddedServer
@@ -244,3 +245,12 @@ def test_joining_a_weight_group_nobody_hosts_fails_within_a_bound(server):
         status, payload = _post(server, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, **body})
         assert status == 400 and needle in payload["message"], payload
+
+
+def test_an_in_process_top_k_past_int64_is_the_whole_vocabulary():
+    """Requests that never pass the HTTP validation (in-process callers) cannot overflow the batch's top_k tensor."""
+    engine = EmbeddedEngine(tiny_qwen3())
+    huge, whole = (GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=6, seed=4, top_k=k, ignore_eos=True))
+                   for k in (10 ** 20, 1 << 30))
+    a, b = engine.generate([huge, whole])
+    assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
