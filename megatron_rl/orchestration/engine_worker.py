@@ -58,6 +58,7 @@ class EngineSpec:
     log_dir: Optional[str] = None  # None: a fresh temporary directory
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     launch_timeout_s: float = 300.0  # embedded: interpreter + model load (SGLang: sglang.health_timeout_s)
+    profile_dir: Optional[str] = None  # embedded: the folder its /start_profile may write in (the run's profiles)
 
     def sglang_server(self, log_path: Optional[str] = None, devices: Optional[str] = None):
         """The ``sglang.launch_server`` configuration of this engine (``devices``: its CUDA_VISIBLE_DEVICES)."""
@@ -111,7 +112,8 @@ class EngineWorker:
         return launch_embedded_server(
             spec.model_path, self.log_path, host=spec.host, seed=spec.seed, deterministic=spec.deterministic,
             health_timeout_s=spec.launch_timeout_s, env={"OMP_NUM_THREADS": str(spec.threads)},
-            extra_args=["--max-batch-rows", "256", "--dtype", spec.dtype, "--device", device])
+            extra_args=["--max-batch-rows", "256", "--dtype", spec.dtype, "--device", device,
+                        *(["--profile-dir", spec.profile_dir] if spec.profile_dir else [])])
 
     def _launch_sglang(self):
         return launch_sglang_server(self.spec.sglang_server(self.log_path, self.devices))

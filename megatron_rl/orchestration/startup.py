@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -97,7 +98,7 @@ def worker_specs(cfg: RunConfig) -> Tuple[TrainerSpec, Optional[EngineSpec]]:
         engine = EngineSpec(kind=r.engine, model_path=cfg.model.hf_path, deterministic=r.deterministic_inference,
                             seed=cfg.seed, host=r.host, threads=cfg.cluster.threads_per_worker,
                             routed_experts=cfg.train.routing_replay, dtype=r.embedded_dtype, log_dir=cfg.output_dir,
-                            sglang=r.sglang)
+                            sglang=r.sglang, profile_dir=os.path.dirname(cfg.profile.step_dir(cfg.output_dir, 1)))
     return trainer, engine
 
 

@@ -28,6 +28,7 @@ folder (what ``SGLangClient`` sends a server on its own machine). SGLang's own f
 from __future__ import annotations
 
 import base64
+import math
 import os
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -333,10 +334,9 @@ def parse_input_logprobs(item: Any, token_ids: Sequence[int]) -> torch.Tensor:
         first = next(i for i, (a, b) in enumerate(zip(ids, token_ids)) if a != int(b))
         raise ValueError(f"input_token_logprobs are for other tokens: position {first} has id {ids[first]}, the "
                          f"prompt has {int(token_ids[first])} (SGLang reports ids >= vocab_size - 1 as 0)")
-    values = [e[0] for e in entries[1:]]
-    if any(v is None for v in values):
-        raise ValueError("input_token_logprobs has a null log-prob after position 0")
-    return torch.tensor(values, dtype=torch.float32)
+    # null after position 0: a non-finite log-prob (JSON has no NaN; SGLang's orjson writes null): NaN, so that the
+    # weight-sync probe reports the engine's non-finite log-probs as such
+    return torch.tensor([_logprob(e[0]) for e in entries[1:]], dtype=torch.float32)
 
 
 def parse_prompt_routes(item: Any, n_tokens: int, layout: ExpertLayout) -> torch.Tensor:
@@ -354,6 +354,12 @@ def parse_prompt_routes(item: Any, n_tokens: int, layout: ExpertLayout) -> torch
     return routes[:n_tokens]
 
 
+def _logprob(value: Any, null: float = math.nan) -> float:
+    """A log-prob of an answer: ``null`` stands for a non-finite one (SGLang's orjson and the embedded server write
+    NaN and -inf as null): NaN, or ``null`` where -inf is the convention (tokens outside the kept set)."""
+    return null if value is None else float(value)
+
+
 def sample_from_json(item: Dict[str, Any], req: GenerateRequest, sample_index: int,
                      layout: Optional[ExpertLayout] = None, logprob_mode: str = "raw") -> Sample:
     """One ``/generate`` response item -> ``Sample`` (the request asked ``return_logprob``; with
@@ -363,7 +369,7 @@ def sample_from_json(item: Dict[str, Any], req: GenerateRequest, sample_index: i
     if pairs is None:
         raise ValueError("the /generate response has no meta_info.output_token_logprobs; send return_logprob=true")
     ids = [int(p[1]) for p in pairs]
-    logprobs = [float(p[0]) for p in pairs]
+    logprobs = [_logprob(p[0]) for p in pairs]
     finish = meta.get("finish_reason") or {"type": "abort"}
     kind = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
     matched = finish.get("matched") if isinstance(finish, dict) else None
@@ -376,11 +382,11 @@ def sample_from_json(item: Dict[str, Any], req: GenerateRequest, sample_index: i
             raise ValueError("logprob_mode='processed' but the response has no meta_info.output_token_sampling_logprobs"
                              " (send return_sampling_mask=true; SGLang >= 0.5.23)")
         if processed is not None:
-            logprobs, mode = [float(v) for v in processed], "processed"
+            logprobs, mode = [_logprob(v) for v in processed], "processed"
     top_ids = top_values = None
     if req.return_top_logprobs and meta.get("output_top_logprobs"):
         top = meta["output_top_logprobs"]
-        top_values = torch.tensor([[float(e[0]) for e in row] for row in top], dtype=torch.float32)
+        top_values = torch.tensor([[_logprob(e[0], -math.inf) for e in row] for row in top], dtype=torch.float32)
         top_ids = torch.tensor([[int(e[1]) for e in row] for row in top], dtype=torch.int64)
     routed = prompt_routed = None
     if req.return_routed_experts and "routed_experts" not in meta and kind != "abort":  # aborted: may be absent
@@ -406,7 +412,7 @@ def sample_from_json(item: Dict[str, Any], req: GenerateRequest, sample_index: i
         top_logprob_ids=top_ids, top_logprob_values=top_values, routed_experts=routed,
         prompt_routed_experts=prompt_routed, weight_version=str(meta.get("weight_version", "default")),
         logprob_mode=mode, rid=meta.get("id"), sample_index=sample_index,
-        sampling_logprobs=None if processed is None else [float(v) for v in processed],
+        sampling_logprobs=None if processed is None else [_logprob(v) for v in processed],
         abort_message=str(message) if message is not None else None,
         weight_versions=None if spans is None else spans_from_meta(spans, len(ids)))
 

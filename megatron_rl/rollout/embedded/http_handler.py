@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict
 
 from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.embedded import http_body
 from megatron_rl.rollout.embedded.decode_loop import EngineUnavailableError
 
 if TYPE_CHECKING:
     from megatron_rl.rollout.embedded.server import EmbeddedServer
 
 log = logging.getLogger("megatron_rl.rollout.embedded.server")  # the server's log, as before the split
-
-MAX_BODY_BYTES = 4 << 30
 
 
 class HTTPError(Exception):
@@ -72,7 +70,7 @@ def make_handler(server: "EmbeddedServer"):
             if isinstance(payload, str):  # SGLang answers /flush_cache with text
                 data, kind = payload.encode(), "text/plain; charset=utf-8"
             else:
-                data, kind = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
+                data, kind = (b"" if payload is None else http_body.dumps(payload)), "application/json"
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(data)))
@@ -80,27 +78,11 @@ def make_handler(server: "EmbeddedServer"):
             self.wfile.write(data)
 
         def _body(self) -> Any:
-            raw_length = self.headers.get("Content-Length")
             try:
-                length = int(raw_length or 0)
-            except ValueError:
-                length = -1
-            if length < 0:
-                self.close_connection = True
-                raise HTTPError(400, {"detail": f"Invalid Content-Length header: {raw_length!r}"})
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise HTTPError(413, {"detail": f"request body of {length} bytes exceeds {MAX_BODY_BYTES}"})
-            raw = self.rfile.read(length) if length else b""
-            if len(raw) != length:
-                self.close_connection = True
-                raise HTTPError(400, {"detail": f"body shorter than its Content-Length ({len(raw)} < {length})"})
-            try:
-                return json.loads(raw) if raw.strip() else {}
-            except ValueError as e:
-                raise HTTPError(422, {"detail": [{"type": "json_invalid", "loc": ["body", e.pos if hasattr(e, "pos")
-                                                                                  else 0],
-                                                  "msg": f"JSON decode error: {e}"}]}) from None
+                return http_body.parse_json(http_body.read_body(self.headers, self.rfile))
+            except http_body.BodyError as e:
+                self.close_connection = True  # where the next request starts is unknown
+                raise HTTPError(e.status, e.payload) from None
 
         def _handle(self, method: str) -> None:
             path = self.path.split("?", 1)[0]

@@ -41,7 +41,8 @@ class RowParams:
         """On ``device``: the logits' (the engine builds them once per batch composition, not per step)."""
         return RowParams(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            # past 2**30 (SGLang's "whole vocabulary") a top_k means the same and must fit int64
+            top_k=torch.tensor([min(p.top_k, 1 << 30) for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )

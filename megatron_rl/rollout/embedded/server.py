@@ -31,7 +31,10 @@ reports ``tp_size`` N and reads SGLang's per-rank tensor payloads as N ranks wou
 decoded and required to hold the whole bucket; a weight group it joins as one rank, so only with N = 1),
 a weight update while the ``weights`` memory is released refused (SGLang would write into unmapped
 memory), and request caps (``--max-n``, ``--max-request-rows``, ``--max-request-tokens``: 400 naming the
-limit) so that one request cannot exhaust the machine.
+limit) so that one request cannot exhaust the machine. Every ``/generate`` is checked field by field as SGLang
+checks it before it can join the shared batch (``request_validation.py``); bodies, chunked or not, and strict JSON
+answers: ``http_body.py``; what a client may make the server store, write or wait for (weight versions, NaN/inf
+buckets, ``/start_profile`` only inside ``--profile-dir``, a weight group's master): ``guards.py``.
 Not supported (a clear 400): text input, streaming, images, LoRA, grammars.
 
 Run: ``python -m megatron_rl.rollout.embedded.server --model-path DIR [--port N] [--enable-deterministic-inference]``.
@@ -57,6 +60,7 @@ from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.embedded.engine import (
     EmbeddedEngine, EmbeddedEngineConfig, EngineUnavailableError, SamplerAssertionError,
 )
+from megatron_rl.rollout.embedded import guards, request_validation
 from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 from megatron_rl.rollout.embedded.http_handler import (
     HTTPError, HTTPServer, body_field, make_handler, request_error, validation_error,
@@ -97,13 +101,15 @@ class EmbeddedServer(WeightEndpoints):
 
     def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
                  limits: Optional[ServerLimits] = None, health_timeout_s: float = 20.0,
-                 model_path: Optional[str] = None, tp_size: int = 1):
+                 model_path: Optional[str] = None, tp_size: int = 1, profile_dir: Optional[str] = None):
         if tp_size < 1:
             raise ValueError(f"tp_size={tp_size}: expected >= 1")
         self.engine = engine
         self.tp_size = tp_size  # emulated for /update_weights_from_tensor (one payload per rank); see the doc
         self.limits = limits or ServerLimits()
         self.health_timeout_s = health_timeout_s
+        self.profile_dir = profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")  # /start_profile's
+        self.weight_group_connect_timeout_s = 30.0  # /init_weights_update_group: the master must listen by then
         self.model_path = model_path or getattr(engine.model.config, "_name_or_path", "") or "embedded"
         self.queue = GenerationQueue(engine)
         self._groups: Dict[str, Any] = {}
@@ -215,7 +221,8 @@ class EmbeddedServer(WeightEndpoints):
     # ---- generation ---------------------------------------------------------------------------------
 
     def _generate(self, body):
-        try:
+        try:  # each request's fields checked and normalised before any of them reaches the shared batch
+            body = request_validation.normalize_generate_body(body, self.engine.model.config.vocab_size)
             requests, as_list, options = wire.parse_generate(body)
         except wire.BadRequest as e:
             raise (HTTPError(400, {"error": f"{e.field}: {e.message}"}) if e.contract
@@ -266,10 +273,14 @@ class EmbeddedServer(WeightEndpoints):
                      "waiting requests, the operation will not be performed.)\n")
 
     def _start_profile(self, body):
-        """SGLang's ``ProfileReq`` fields we honour: ``output_dir`` (SGLang's default: $SGLANG_TORCH_PROFILER_DIR,
-        else /tmp), ``record_shapes``, ``with_stack``; one Chrome trace of this process, every thread."""
+        """SGLang's ``ProfileReq`` fields we honour: ``output_dir`` (inside ``--profile-dir``, whose default is
+        SGLang's: $SGLANG_TORCH_PROFILER_DIR, else /tmp), ``record_shapes``, ``with_stack``; one Chrome trace of
+        this process, every thread."""
         body = body or {}
-        out = body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        try:  # only inside the server's profile folder: a client must not choose where this process writes
+            out = guards.profile_output_dir(body.get("output_dir"), self.profile_dir)
+        except ValueError as e:
+            raise request_error(str(e)) from None
         os.makedirs(out, exist_ok=True)
         self._capture = self._capture or Capture()
         self._capture.start(os.path.join(out, "embedded-TP-0.trace.json"), bool(body.get("record_shapes")),
@@ -332,6 +343,10 @@ class EmbeddedServer(WeightEndpoints):
 
     def _set_version(self, body):
         version = body_field(body, "new_version", str)
+        try:
+            guards.bounded_version(version, "new_version")
+        except ValueError as e:
+            raise request_error(str(e)) from None
         if body_field(body, "abort_all_requests", bool, True):
             self.engine.abort(abort_all=True)
             self.queue.abort(None, abort_all=True)
@@ -359,6 +374,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--max-request-tokens", type=int, default=ServerLimits.max_tokens)
     p.add_argument("--health-timeout", type=float, default=20.0, help="seconds without progress before /health is 503")
     p.add_argument("--tp-size", type=int, default=1, help="TP ranks emulated for tensor payloads (see the module doc)")
+    p.add_argument("--profile-dir", default=None, help="the folder /start_profile may write in (default: "
+                   "$SGLANG_TORCH_PROFILER_DIR, else /tmp); an output_dir outside it is refused")
     args = p.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -370,7 +387,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_grad_enabled(False)
     server = EmbeddedServer(engine, args.host, args.port, ServerLimits(args.max_n, args.max_request_rows,
                                                                        args.max_request_tokens),
-                            health_timeout_s=args.health_timeout, model_path=args.model_path, tp_size=args.tp_size)
+                            health_timeout_s=args.health_timeout, model_path=args.model_path, tp_size=args.tp_size,
+                            profile_dir=args.profile_dir)
     print(f"embedded server listening on {server.url}", flush=True)
     try:
         server.serve_forever()

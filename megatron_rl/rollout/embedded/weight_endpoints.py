@@ -7,6 +7,7 @@ import os
 from typing import Any, Tuple
 
 from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.embedded import guards
 from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
 from megatron_rl.rollout.embedded.http_handler import HTTPError, body_field, validation_error, weights_error
 from megatron_rl.weights import group as weight_group
@@ -33,10 +34,15 @@ class WeightEndpoints:
 
     def _apply(self, buckets, body) -> Tuple[int, Any]:
         """Load the buckets (waiting for the running batch unless paused), then SGLang's post-update rules."""
+        version = body_field(body, "weight_version", str, None)
+        try:  # nothing of a bucket holding NaN/inf is loaded (nor any request aborted): finite weights stay served
+            guards.bounded_version(version, "weight_version")
+            guards.require_finite(buckets)
+        except ValueError as e:
+            raise weights_error(f"Failed to update parameter online: {e}") from None
         if body_field(body, "abort_all_requests", bool, False):
             self.engine.abort(abort_all=True)
             self.queue.abort(None, abort_all=True)
-        version = body_field(body, "weight_version", str, None)
         try:
             self.engine.update_weights(buckets, version if version is not None else self.engine.weight_version)
         except WeightUpdateError as e:
@@ -105,6 +111,8 @@ class WeightEndpoints:
             raise weights_error(f"this embedded server emulates tp_size={self.tp_size} for tensor payloads only; it "
                                  "joins a weight group as one rank: start it with --tp-size 1")
         try:  # tp_rank 0: this server is one engine rank
+            guards.check_group_ranks(offset, world)
+            guards.wait_for_master(address, port, self.weight_group_connect_timeout_s)
             group = weight_group.create_weight_group(address, port, offset, world, backend=backend,
                                                      group_name=name, timeout_s=300.0)
         except Exception as e:  # noqa: BLE001
