@@ -9,6 +9,7 @@ from megatron_rl import cli, config_io
 from megatron_rl.config import RunConfig, resolve_mapping, build_run_config
 from megatron_rl.preflight import check_run_config, load_run_config
 from megatron_rl.config_io import ConfigError
+from megatron_rl.training import checkpoint_integrity as integrity
 
 from run_helpers import MOE_RECIPE, REPO, TINY_RECIPE, quick_assets, tiny_overrides
 
@@ -209,9 +210,14 @@ def test_missing_files_are_listed_together(assets, tmp_path):
 
 
 def test_existing_checkpoints_need_resume_or_overwrite(assets, tmp_path):
-    (tmp_path / "out" / "checkpoints" / "iter_0000002").mkdir(parents=True)
+    ckpt = tmp_path / "out" / "checkpoints" / "iter_0000002"
+    ckpt.mkdir(parents=True)
     with pytest.raises(ConfigError, match="pass resume=true to continue it, overwrite=true to start over"):
         _load(assets, tmp_path)
+    # a folder without its manifest was never completed: nothing to resume from
+    with pytest.raises(ConfigError, match=r"holds checkpoints \(steps \[2\]\) but none can be resumed"):
+        _load(assets, tmp_path, "resume=true")
+    (ckpt / integrity.MANIFEST).write_text("{}")
     assert _load(assets, tmp_path, "resume=true").resume
 
 
