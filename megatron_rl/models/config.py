@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron_rl.config.sections import MODEL_DTYPES, ModelConfig, ParallelLayout
-from megatron_rl.models import deepseek, glm
+from megatron_rl.models import deepseek, glm, qwen3_next
 
 # model_type -> (attention projections have a bias, q/k RMSNorm per head, MoE)
 _FAMILIES: Dict[str, Tuple[bool, bool, bool]] = {
@@ -77,6 +77,8 @@ class HFArch:
     @classmethod
     def from_hf(cls, hf: Any) -> "HFArch":
         model_type = getattr(hf, "model_type", None)
+        if model_type == qwen3_next.MODEL_TYPE:
+            raise ValueError(qwen3_next.UNSUPPORTED)
         if model_type not in _FAMILIES:
             raise ValueError(
                 f"unsupported HF model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
