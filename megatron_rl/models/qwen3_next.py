@@ -26,10 +26,15 @@ Why it does not run on CPU (so :class:`~megatron_rl.models.config.HFArch` refuse
 3. ``GatedDeltaNet.__init__`` allocates ``conv1d``, ``dt_bias`` and ``A_log`` on ``torch.cuda.current_device()``.
 4. Its forward raises NotImplementedError for packed sequences (``packed_seq_params``): the trainer would
    have to run with ``train.packing=false``.
+5. Its spec (``get_gated_delta_net_module_spec``) wants a fused norm + column-parallel ``in_proj``, which the
+   local backend does not provide (``LocalSpecProvider.column_parallel_layer_norm_linear()`` is None): our
+   portable spec would need its own (input norm unfused, as for the other layers).
 
 What is here and tested on CPU: the config reading, Megatron's fields, and the full-tensor HF <-> Megatron
 weight conversion (:func:`hf_to_megatron` / :func:`megatron_to_hf`, TP=1 layout) with its round trip; the HF
-parity of a built model is the GPU check's (``tools/gpu_check_paths.py``, not yet written).
+parity of a built model is the GPU check's: ``python tools/gpu_check.py --sections gdn`` (tools/gpu_check_hybrid.py: one Gated-DeltaNet
+layer against HF's), not yet run; the attention and MoE layers match HF on CPU
+(tests/distributed/test_qwen3_next_parity.py).
 """
 
 from __future__ import annotations
