@@ -168,6 +168,16 @@ TINY_MODELS = {
              first_k_dense_replace=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, rope_theta=1e4),
     ),
+    # GLM-4.5-style: q/k/v bias, q/k norm, partial RoPE (half of each head), 1 dense + 2 MoE layers of 8 experts
+    # (2 groups, top-1 group, top-2 experts), a shared expert, a sigmoid router with a score bias
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+             routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+             rope_theta=1e4, num_nextn_predict_layers=0),
+    ),
 }
 
 

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # ops_reference: the float64 references
 import torch  # noqa: E402
 
 import gpu_check_paths  # noqa: E402  (trainer, checkpoint, sync, rl_loop: the framework's own GPU paths)
+import gpu_check_hybrid  # noqa: E402  (gdn: a Gated-DeltaNet layer == HF's, on request only)
 
 H200_BF16_TFLOPS, H200_TBPS = 790.0, 4.3  # measured ceilings on this workplace's H200 (device KINDS.md)
 SECTIONS = ("env", "head", "ops", "megatron_hf", "trainer", "checkpoint", "sync", "engine", "rl_loop")
@@ -370,7 +371,7 @@ def section_engine(ctx: Ctx) -> dict:
 
 
 FUNCS = {"env": section_env, "head": section_head, "ops": section_ops, "megatron_hf": section_megatron_hf,
-         "engine": section_engine, **gpu_check_paths.FUNCS}
+         "engine": section_engine, **gpu_check_paths.FUNCS, **gpu_check_hybrid.FUNCS}
 
 
 # ---- driver ---------------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ class PrepareConfig:
     dir: str = "runs/assets"
     seed: int = 0
     # tiny_arithmetic: dense, the MoE variant (8 experts, top-2) or the DeepSeek-V3-style one (MLA, shared expert)
-    model: Literal["qwen3", "qwen3_moe", "deepseek_v3"] = "qwen3"
+    model: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"] = "qwen3"
 
 
 @dataclass

@@ -54,16 +54,27 @@ TINY_DEEPSEEK_V3 = dict(
     moe_intermediate_size=32, n_group=4, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
     q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_nextn_predict_layers=0)
+# The GLM-4.5-style variant (examples/tiny_cpu_glm.yaml): the dense model's GQA attention with q/k/v biases, q/k
+# norms and RoPE on half of each head; layer 0 dense, layer 1 DeepSeek-V3's router (8 experts of width 32 in 2
+# groups, top-1 group, top-2 experts, sigmoid scores + score bias, weights renormalised, scaled by 2.5) + a shared
+# expert of width 32
+TINY_GLM4_MOE = dict(
+    {k: v for k, v in TINY_QWEN3.items() if k != "rope_theta"},
+    first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    num_nextn_predict_layers=0)
 MODELS = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM", TINY_QWEN3),
           "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", TINY_QWEN3_MOE),
-          "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TINY_DEEPSEEK_V3)}
+          "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", TINY_DEEPSEEK_V3),
+          "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", TINY_GLM4_MOE)}
 _VERSION = 1  # bump when the assets change, so stale directories are rebuilt
 
 
 def prepare_tiny_arithmetic(directory: str, *, seed: int = 0, model: str = "qwen3", num_train: int = 1024,
                             sft_steps: int = 400, sft_lr: float = 3e-3, sft_batch: int = 32) -> Dict[str, str]:
     """Build the assets under ``directory`` unless a complete set with these parameters is there.
-    ``model``: ``qwen3`` (dense), ``qwen3_moe`` or ``deepseek_v3``; a directory already holding the other kind raises
+    ``model``: ``qwen3`` (dense), ``qwen3_moe``, ``deepseek_v3`` or ``glm4_moe``; a directory already holding the other kind raises
     ValueError (dense and MoE assets never share a directory)."""
     if model not in MODELS:
         raise ValueError(f"prepare.model={model!r}: expected one of {sorted(MODELS)}")

@@ -12,6 +12,8 @@
   router.py   MoE routing record / replay (RouterReplay wrapper)
   shards.py   what each trainer rank owns of the HF weights: (Piece, tensor) pairs, no communication
   deepseek.py DeepSeek-V3-style models: MLA, shared expert, sigmoid router with expert bias (MTP ignored)
+  glm.py      GLM-4.5-style MoE: qkv bias, q/k norm, partial RoPE, DeepSeek-V3's router
+  qwen3_next.py  Qwen3-Next-style hybrid (Gated-DeltaNet): config + weight mapping; not buildable yet (why inside)
 """
 
 from megatron_rl.models.config import SUPPORTED_MODEL_TYPES, HFArch, ModelConfig, padded_vocab_size

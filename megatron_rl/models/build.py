@@ -111,6 +111,7 @@ def build_model(cfg: ModelConfig, groups: ParallelGroups, *, load_weights: bool 
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.rotary_percent,
         rope_scaling=arch.llama3_rope_factor is not None,
         rope_scaling_factor=arch.llama3_rope_factor or 8.0,
     )

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron_rl.config.sections import MODEL_DTYPES, ModelConfig, ParallelLayout
-from megatron_rl.models import deepseek
+from megatron_rl.models import deepseek, glm, qwen3_next
 
 # model_type -> (attention projections have a bias, q/k RMSNorm per head, MoE)
 _FAMILIES: Dict[str, Tuple[bool, bool, bool]] = {
@@ -24,6 +24,7 @@ _FAMILIES: Dict[str, Tuple[bool, bool, bool]] = {
     "qwen3_moe": (False, True, True),
     "mixtral": (False, False, True),
     "deepseek_v3": (False, False, True),  # MLA + shared expert + sigmoid router: models/deepseek.py
+    "glm4_moe": (False, False, True),  # bias, q/k norm from the config; partial RoPE; DeepSeek's router: models/glm.py
 }
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 _DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
@@ -61,14 +62,23 @@ class HFArch:
     norm_topk_prob: bool = False
     moe_layers: Tuple[bool, ...] = ()  # per layer: is it an MoE layer
     mla: Optional[deepseek.MLAArch] = None  # DeepSeek-V3-style: MLA, shared expert, sigmoid router
+    glm: Optional[glm.GLMArch] = None  # GLM-4.5-style: shared expert, sigmoid router
+    rotary_percent: float = 1.0  # the rotated fraction of each head (HF partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def sigmoid_router(self):
+        """DeepSeek-V3 / GLM-4.5's router fields (shared expert, groups, scaling, MTP); None for the others."""
+        return self.mla if self.mla is not None else self.glm
+
     @classmethod
     def from_hf(cls, hf: Any) -> "HFArch":
         model_type = getattr(hf, "model_type", None)
+        if model_type == qwen3_next.MODEL_TYPE:
+            raise ValueError(qwen3_next.UNSUPPORTED)
         if model_type not in _FAMILIES:
             raise ValueError(
                 f"unsupported HF model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -76,7 +86,7 @@ class HFArch:
         qkv_bias, qk_norm, is_moe = _FAMILIES[model_type]
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"{model_type}: hidden_act={hf.hidden_act!r} unsupported (only 'silu')")
-        if getattr(hf, "attention_bias", False):
+        if getattr(hf, "attention_bias", False) and model_type != glm.MODEL_TYPE:  # GLM's: q/k/v bias
             raise ValueError(f"{model_type}: attention_bias=True (bias on o_proj) is not supported")
         if getattr(hf, "mlp_bias", False):
             raise ValueError(f"{model_type}: mlp_bias=True is not supported")
@@ -92,6 +102,9 @@ class HFArch:
             head_dim = moe.pop("head_dim")
             rope_theta, llama3_factor = dict(moe["mla"].rope)["rotary_base"], None
         else:
+            if model_type == glm.MODEL_TYPE:
+                moe = glm.hf_fields(hf)
+                qkv_bias, qk_norm = moe.pop("qkv_bias"), moe.pop("qk_norm")
             rope_theta, llama3_factor = _rope(hf)
         if is_moe and not moe:
             num_experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts")
@@ -175,7 +188,7 @@ def check_divisibility(arch: HFArch, layout: ParallelLayout) -> None:
     else:  # ranks then split the fused q/k/v rows of a KV group
         checks.append(("fused qkv rows (heads + 2 * kv_heads) * head_dim",
                        (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, tp))
-    if arch.mla is not None:
+    if arch.sigmoid_router is not None:
         checks += deepseek.divisibility_checks(arch, tp)
     if arch.is_moe:
         checks += [("num_experts", arch.num_experts, ep), ("moe ffn hidden size", arch.moe_ffn_hidden_size, etp)]
@@ -261,6 +274,8 @@ def transformer_config(cfg: ModelConfig, arch: HFArch, layout: ParallelLayout, *
 
         config_cls = MLATransformerConfig
         kwargs.update(deepseek.transformer_kwargs(arch))
+    if arch.glm is not None:
+        kwargs.update(glm.transformer_kwargs(arch))
     known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(cfg.transformer_overrides) - known)
     if unknown:

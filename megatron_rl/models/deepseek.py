@@ -81,43 +81,53 @@ def hf_fields(hf: Any) -> Dict[str, Any]:
                          "(MLA expands its latent to every head)")
     if not getattr(hf, "rope_interleave", True):
         raise ValueError("deepseek_v3: rope_interleave=False unsupported (Megatron's MLA applies interleaved RoPE)")
+    router = sigmoid_router_fields(hf, MODEL_TYPE)
+    mla = MLAArch(
+        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        rope=tuple(sorted(_rope_fields(hf).items())),
+        shared_expert_ffn=router["shared_expert_ffn"], router_groups=router["router_groups"],
+        routed_scaling_factor=router["routed_scaling_factor"], num_mtp_layers=router["num_mtp_layers"],
+    )
+    return dict(head_dim=hf.v_head_dim, num_kv_heads=heads, mla=mla, **router["moe"])
+
+
+def sigmoid_router_fields(hf: Any, family: str) -> Dict[str, Any]:
+    """The MoE fields shared by the DeepSeek-V3 and GLM-4.5 families (sigmoid scores + score bias,
+    group-limited top-k, shared experts, dense first layers, MTP layers), validated; errors name ``family``."""
     topk, experts = hf.num_experts_per_tok, hf.n_routed_experts
     if topk > 1 and not hf.norm_topk_prob:
-        raise ValueError("deepseek_v3: norm_topk_prob=False unsupported (Megatron renormalises sigmoid top-k "
+        raise ValueError(f"{family}: norm_topk_prob=False unsupported (Megatron renormalises sigmoid top-k "
                          "weights when num_experts_per_tok > 1)")
     n_group, topk_group = hf.n_group or 1, hf.topk_group or 1
     groups = None
     if n_group > 1 and topk_group < n_group:
         if experts % n_group or topk % topk_group or topk // topk_group != 2:
             raise ValueError(
-                f"deepseek_v3: group-limited routing with n_group={n_group}, topk_group={topk_group}, "
+                f"{family}: group-limited routing with n_group={n_group}, topk_group={topk_group}, "
                 f"num_experts_per_tok={topk}, n_routed_experts={experts} unsupported: HF ranks groups by their "
                 "top-2 scores, Megatron by their top topk/topk_group; they agree when num_experts_per_tok == "
                 "2 * topk_group and n_group divides n_routed_experts")
         groups = (n_group, topk_group)
     mtp = int(getattr(hf, "num_nextn_predict_layers", None) or getattr(hf, "num_mtp_layers", 0) or 0)
     if mtp:
-        logger.info("deepseek_v3: num_nextn_predict_layers=%d: MTP layers are ignored (not loaded, trained or "
-                    "exported), as in HF's DeepseekV3ForCausalLM", mtp)
+        logger.info("%s: num_nextn_predict_layers=%d: MTP layers are ignored (not loaded, trained or "
+                    "exported), as in HF's modeling", family, mtp)
     first_dense = hf.first_k_dense_replace or 0
-    mla = MLAArch(
-        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
-        qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
-        rope=tuple(sorted(_rope_fields(hf).items())),
-        shared_expert_ffn=(hf.n_shared_experts or 0) * hf.moe_intermediate_size,
-        router_groups=groups, routed_scaling_factor=float(hf.routed_scaling_factor or 1.0), num_mtp_layers=mtp,
-    )
     return dict(
-        head_dim=hf.v_head_dim, num_kv_heads=heads, num_experts=experts, moe_topk=topk,
-        moe_ffn_hidden_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
-        moe_layers=tuple(i >= first_dense for i in range(hf.num_hidden_layers)), mla=mla,
+        shared_expert_ffn=(hf.n_shared_experts or 0) * hf.moe_intermediate_size, router_groups=groups,
+        routed_scaling_factor=float(hf.routed_scaling_factor or 1.0), num_mtp_layers=mtp,
+        moe=dict(num_experts=experts, moe_topk=topk, moe_ffn_hidden_size=hf.moe_intermediate_size,
+                 norm_topk_prob=bool(hf.norm_topk_prob),
+                 moe_layers=tuple(i >= first_dense for i in range(hf.num_hidden_layers))),
     )
 
 
 def divisibility_checks(arch, tp: int) -> List[Tuple[str, int, int]]:
-    mla, out = arch.mla, []  # the latent down projections are replicated over TP: any widths split
-    if mla.shared_expert_ffn:
-        out.append(("shared expert width (n_shared_experts * moe_intermediate_size)", mla.shared_expert_ffn, tp))
+    # the MLA latent down projections are replicated over TP: any widths split
+    router, out = arch.sigmoid_router, []
+    if router.shared_expert_ffn:
+        out.append(("shared expert width (n_shared_experts * moe_intermediate_size)", router.shared_expert_ffn, tp))
     return out
 
 
@@ -131,14 +141,20 @@ def transformer_kwargs(arch) -> Dict[str, Any]:
         mtp_num_layers=None, **dict(mla.rope),
     )
     if arch.is_moe:
-        kw.update(
-            moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
-            moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
-            moe_router_topk_scaling_factor=mla.routed_scaling_factor,
-            moe_shared_expert_intermediate_size=mla.shared_expert_ffn or None,
-        )
-        if mla.router_groups:
-            kw.update(moe_router_num_groups=mla.router_groups[0], moe_router_group_topk=mla.router_groups[1])
+        kw.update(router_kwargs(mla))
+    return kw
+
+
+def router_kwargs(router) -> Dict[str, Any]:
+    """Megatron's MoE router fields for a sigmoid router (``MLAArch`` or ``glm.GLMArch``)."""
+    kw: Dict[str, Any] = dict(
+        moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        moe_router_topk_scaling_factor=router.routed_scaling_factor,
+        moe_shared_expert_intermediate_size=router.shared_expert_ffn or None,
+    )
+    if router.router_groups:
+        kw.update(moe_router_num_groups=router.router_groups[0], moe_router_group_topk=router.router_groups[1])
     return kw
 
 
@@ -246,7 +262,7 @@ def moe_extra_units(unit_cls, arch, layer: int) -> list:
     """The router's score bias and the shared expert of one MoE layer."""
     m = f"model.layers.{layer}.mlp."
     out = [unit_cls("replicated", "expert_bias", layer, ((m + "gate.e_score_correction_bias", (arch.num_experts,)),))]
-    F, H = arch.mla.shared_expert_ffn, arch.hidden_size
+    F, H = arch.sigmoid_router.shared_expert_ffn, arch.hidden_size
     if F:
         s = m + "shared_experts."
         out += [unit_cls("glu", "shared_fc1", layer, ((s + "gate_proj.weight", (F, H)), (s + "up_proj.weight", (F, H)))),

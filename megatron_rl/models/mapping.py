@@ -86,7 +86,7 @@ def layer_units(arch: HFArch, layer: int) -> List[Unit]:
     if arch.is_moe and arch.moe_layers[layer]:
         F, E = arch.moe_ffn_hidden_size, arch.num_experts
         out.append(Unit("replicated", "router", layer, ((_router_name(arch, layer), (E, H)),)))
-        if arch.mla is not None:
+        if arch.sigmoid_router is not None:
             out += deepseek.moe_extra_units(Unit, arch, layer)
         names = []
         for e in range(E):

@@ -45,19 +45,25 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Megatron's layernorm_zero_centered_gamma (Qwen3-Next's norms): the weight holds w - 1
+        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         # Replicated over TP but fed sequence shards: its grad must be summed over TP.
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_layer.rms_norm(x, self.weight, self.eps)
+        return fused_layer.rms_norm(x, self.scale(), self.eps)
 
 
 class FusedRMSNorm(RMSNorm):
     """:class:`RMSNorm` (same parameters and checkpoint keys) as one compiled call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_layer.compiled(fused_layer.rms_norm)(x, self.weight, self.eps)
+        return fused_layer.compiled(fused_layer.rms_norm)(x, self.scale(), self.eps)
 
 
 def fused_on(cfg: ModelConfig) -> bool:

@@ -176,7 +176,7 @@ def load_hf_weights(built: BuiltModel, hf_dir: str) -> None:
     Raises ValueError when a tensor's shape disagrees with the config or a parameter is left unset.
     """
     reader = SafetensorsDir(hf_dir)
-    if built.arch.mla is not None:
+    if built.arch.sigmoid_router is not None:
         deepseek.warn_ignored_mtp(built.arch, reader.names, hf_dir)
     layers = dict(built.layers())
     loaded = set()

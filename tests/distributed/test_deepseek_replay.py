@@ -9,7 +9,8 @@ replay the mismatch drops; the replayed log-probs, loss and grad norm are the sa
 micro-batches (pad positions, routed to placeholder experts in the dropless MoE, cannot displace a real
 token's routing or change its log-prob), under EP=2,
 and under TP=2 with sequence parallelism (each rank replays its slice of the ids); every routed position of
-the batch is replayed once per MoE layer.
+the batch is replayed once per MoE layer. The same for a tiny GLM-4.5-style model (the same router with 2 groups,
+top-1 group, top-2 experts; GQA attention with q/k/v bias, q/k norm and partial RoPE).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from test_routing_replay import _engine_batch, _layout_child
 
 
 @pytest.mark.timeout(300)
-def test_deepseek_replay_padded_packed_ep_tp(tmp_path):
-    path = tiny_hf_checkpoint(str(tmp_path / "deepseek_v3"), "deepseek_v3")
+@pytest.mark.parametrize("model_type,topk", [("deepseek_v3", 4), ("glm4_moe", 2)])
+def test_deepseek_replay_padded_packed_ep_tp(tmp_path, model_type, topk):
+    path = tiny_hf_checkpoint(str(tmp_path / model_type), model_type)
     batch = _engine_batch(path, "perturbed", n=8)
     cases = [("packed", {}, dict(micro_batch_size=4)),
              ("padded", {}, dict(micro_batch_size=4, packing=False)),
@@ -38,7 +40,7 @@ def test_deepseek_replay_padded_packed_ep_tp(tmp_path):
 
     base = results[0]["packed"]
     m = base["metrics"]
-    print("\nDeepSeek-V3 replay:", {k: round(v, 5) for k, v in sorted(m.items())})
+    print(f"\n{model_type} replay:", {k: round(v, 5) for k, v in sorted(m.items())})
     assert m["routing/no_replay/agreement_mean"] < 1.0
     assert m["routing/logprob_abs_diff"] < m["routing/no_replay/logprob_abs_diff"]
     for name, _, _ in cases[1:]:
@@ -56,5 +58,5 @@ def test_deepseek_replay_padded_packed_ep_tp(tmp_path):
     from megatron_rl.routing import FREE
 
     routed = batch.routed_experts[..., 0] != FREE  # [B, S, MoE layers]
-    assert routed.shape[-1] == 2 and batch.routed_experts.shape[-1] == 4
+    assert routed.shape[-1] == 2 and batch.routed_experts.shape[-1] == topk
     assert m["routing/replayed_tokens"] == routed.sum().item() / routed.shape[-1] > 0

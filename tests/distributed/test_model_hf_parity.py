@@ -2,7 +2,7 @@
 
 Tolerance: float32 logits within 1e-4 absolute of HF's. Measured: bitwise equal for dense models at
 TP=1 and PP=2; <= 2e-6 at TP=2 and for MoE at EP=2, TP=2 x EP=2 and TP=2 x EP=2 x ETP=1 (different
-reduction orders); DeepSeek-V3-style (MLA) <= 3e-6. Export — and the saved HF directory, reloaded by ``from_pretrained`` — is bitwise.
+reduction orders); DeepSeek-V3-style (MLA) <= 3e-6; GLM-4.5-style <= 2e-6. Export — and the saved HF directory, reloaded by ``from_pretrained`` — is bitwise.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ MOE_CASES = {
     "deepseek_v3_yarn": ("deepseek_v3", {"q_lora_rank": None, "rope_parameters": dict(
         rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
         beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)}),
+    # GLM-4.5-style: q/k/v bias, q/k norm, partial RoPE, shared expert, sigmoid router + score bias, group-limited top-2
+    "glm4_moe": ("glm4_moe", {}),
 }
 
 

@@ -85,7 +85,8 @@ def _pp_backward_child(path, ids, labels):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model_type", ["qwen3", "deepseek_v3"])  # deepseek_v3: MLA, dense layer 0, 3 MoE layers
+# deepseek_v3: MLA, dense layer 0, 3 MoE layers; glm4_moe: q/k/v bias, q/k norm, partial RoPE, dense layer 0, 3 MoE layers
+@pytest.mark.parametrize("model_type", ["qwen3", "deepseek_v3", "glm4_moe"])
 def test_pipeline_forward_backward_matches_hf(tmp_path, model_type):
     path = tiny_hf_checkpoint(str(tmp_path / model_type), model_type, num_hidden_layers=4)
     ids = make_inputs(250, seed=1, batch=4)

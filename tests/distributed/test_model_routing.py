@@ -15,6 +15,7 @@ from model_helpers import hf_model, make_inputs
 CASES = {  # model type, overrides, MoE layers
     "qwen3_moe": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}, [0, 2]),  # layer 1 is dense
     "deepseek_v3": ("deepseek_v3", {}, [1, 2]),  # first_k_dense_replace=1
+    "glm4_moe": ("glm4_moe", {}, [1, 2]),  # DeepSeek's router with 2 groups, top-1 group, top-2 experts
 }
 
 

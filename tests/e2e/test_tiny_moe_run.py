@@ -1,4 +1,5 @@
-"""End-to-end runs of the MoE recipes (examples/tiny_cpu_moe.yaml, examples/tiny_cpu_deepseek.yaml) with routing
+"""End-to-end runs of the MoE recipes (examples/tiny_cpu_moe.yaml, examples/tiny_cpu_deepseek.yaml,
+examples/tiny_cpu_glm.yaml) with routing
 replay on: a tiny Qwen3-MoE or DeepSeek-V3-style model at EP=2 over 2 Ray trainer ranks, the embedded engine
 returning the experts it routed every token to, the trainer replaying them in the old-log-prob pass and the train step, the routing mask ANDed with token TIS.
 
@@ -24,6 +25,8 @@ RECIPES = {  # prepare.model -> (recipe, MoE layers)
     "qwen3_moe": (MOE_RECIPE, (0, 1)),  # both layers are MoE
     # examples/tiny_cpu_deepseek.yaml: MLA, layer 0 dense, layer 1 MoE with a shared expert and a sigmoid router
     "deepseek_v3": (MOE_RECIPE.replace("tiny_cpu_moe.yaml", "tiny_cpu_deepseek.yaml"), (1,)),
+    # examples/tiny_cpu_glm.yaml: GQA with biases, q/k norm, partial RoPE; layer 0 dense, layer 1 DeepSeek's router
+    "glm4_moe": (MOE_RECIPE.replace("tiny_cpu_moe.yaml", "tiny_cpu_glm.yaml"), (1,)),
 }
 
 

@@ -224,7 +224,8 @@ def test_existing_checkpoints_need_resume_or_overwrite(assets, tmp_path):
 def test_gpu_recipes_are_consistent(tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
-    for name, world, layout in (("qwen3_dense.yaml", 4, (2, 2, 1)), ("qwen3_moe.yaml", 8, (2, 1, 8))):
+    for name, world, layout in (("qwen3_dense.yaml", 4, (2, 2, 1)), ("qwen3_moe.yaml", 8, (2, 1, 8)),
+                                ("deepseek_v3.yaml", 8, (2, 1, 8))):
         mapping = resolve_mapping(str(REPO / "examples" / name), [f"data.path={data}", f"eval.data.path={data}"]
                                   if name == "qwen3_dense.yaml" else [f"data.path={data}"])
         cfg = build_run_config(mapping)

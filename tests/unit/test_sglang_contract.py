@@ -285,7 +285,7 @@ def test_our_launch_command_lines_parse_in_sglangs_own_parser(sglang_python, tmp
     cases = {"everything": everything}
     data = tmp_path / "math.jsonl"
     data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
-    for name in ("qwen3_dense", "qwen3_moe"):
+    for name in ("qwen3_dense", "qwen3_moe", "deepseek_v3"):
         for seeded in (False, True):
             cfg = build_run_config(resolve_mapping(os.path.join(ROOT, "examples", f"{name}.yaml"), [
                 f"data.path={data}", f"eval.data.path={data}", f"rollout.seeded={str(seeded).lower()}"]))
@@ -308,4 +308,5 @@ def test_our_launch_command_lines_parse_in_sglangs_own_parser(sglang_python, tmp
     assert out[0]["args"]["sampling_backend"] == "pytorch" and out[0]["args"]["disable_radix_cache"] is True
     recipes = dict(zip(cases, out))
     assert recipes["qwen3_moe/seeded=False"]["args"]["enable_return_routed_experts"] is True
+    assert recipes["deepseek_v3/seeded=False"]["args"]["enable_return_routed_experts"] is True
     assert recipes["qwen3_dense/seeded=True"]["args"]["enable_deterministic_inference"] is True
