@@ -6,7 +6,7 @@ control messages, so connection reuse buys nothing and a fresh socket never inhe
 Failure policy (``RetryPolicy``):
 * connection refused / reset / dropped, and 5xx except 501: retried with exponential backoff;
 * a call that is not idempotent (joining a weight group, receiving a broadcast) is retried only when
-  the connection was *refused* -- then the server provably never saw it;
+  the connection was *refused* -- then the server provably never saw it (a 5xx is raised as ``ServerError``);
 * ``restart_dead_server``: when a connection fails and the ``is_alive`` hook says the process is gone,
   call the ``restart`` hook (e.g. ``ManagedServer.restart``) before the next attempt;
 * 4xx: never retried; raised as ``RequestRejected`` with the server's message (``wire.error_message``
@@ -164,7 +164,8 @@ class SGLangClient(WeightCalls):
                 cls = RequestRejected if status < 500 else ServerError
                 raise cls(f"{method} {self.url}{path} -> {status}: {message}", self.url, status, payload)
             last = f"HTTP {status}: {message}"
-            if not policy.retry_on_5xx:
+            # a 5xx may come after the server acted (joined the group, received the bucket): never resent
+            if not policy.retry_on_5xx or not idempotent:
                 raise ServerError(f"{method} {self.url}{path} -> {last}", self.url, status, payload)
         hint = "" if self.restart is not None and policy.restart_dead_server else (
             "; if the server died, restart it or use RetryPolicy(restart_dead_server=True) with a restart hook")
