@@ -2,14 +2,21 @@
 double, or a stdlib server answering as SGLang does where the double cannot take that shape)."""
 
 import json
+import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
 from megatron_rl.rollout.client.balancer import RemoteEngine
-from megatron_rl.rollout.client.http_client import RetryPolicy, ServerError, SGLangClient
+from megatron_rl.rollout.client.http_client import RequestRejected, RetryPolicy, ServerError, SGLangClient
+from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
+from megatron_rl.rollout.embedded.server import EmbeddedServer
+
+from rollout_models import recompute_logits, tiny_qwen3
 
 FAST = RetryPolicy(max_attempts=3, backoff_s=0.01)
 
@@ -93,3 +100,106 @@ def test_n6_a_pp_server_is_refused_before_any_rank_joins(scripted):
         assert "/init_weights_update_group" not in tp.calls + pp.calls
     finally:
         engine.shutdown()
+
+
+# ---- the embedded double: pause modes, flush, memory tags -----------------------------------------------------
+
+MAXPOS = 4096
+
+
+def _model(seed):
+    return tiny_qwen3(seed, MAXPOS)
+
+
+@pytest.fixture
+def server():
+    server = EmbeddedServer(EmbeddedEngine(_model(0), EmbeddedEngineConfig(seeds="deterministic"))).start()
+    yield server
+    server.stop()
+
+
+def _record(server, monkeypatch):
+    """``[(path, status)]`` of every call the server answers."""
+    calls, dispatch = [], server.dispatch
+
+    def record(method, path, body):
+        try:
+            status, payload = dispatch(method, path, body)
+        except Exception as e:
+            calls.append((path, getattr(e, "status", 500)))
+            raise
+        calls.append((path, status))
+        return status, payload
+    monkeypatch.setattr(server, "dispatch", record)
+    return calls
+
+
+def _wait_for_tokens(engine, at_least, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = engine.live_tokens()
+        if live and max(live) >= at_least:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the engine did not reach {at_least} tokens (live: {engine.live_tokens()})")
+
+
+def _in_background(fn):
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_n1_n2_retract_reprefills_held_requests_under_the_new_weights(server, monkeypatch):
+    """Partial rollouts pause with retract: the held request keeps its tokens and log-probs, every later token is
+    computed from the new weights alone (its KV rebuilt, no old-weights KV under a token labelled with the new
+    version: the span boundary is exact), and the per-sync flush succeeds."""
+    calls = _record(server, monkeypatch)
+    models = {0: _model(0), 1: _model(1)}
+    trainer_side = RemoteEngine([SGLangClient(server.url, retry=FAST)], pause_mode="retract")
+    req = GenerateRequest((5, 6, 7), SamplingParams(max_new_tokens=120, ignore_eos=True, seed=11))
+    thread, out = _in_background(lambda: RemoteEngine([SGLangClient(server.url, retry=FAST)]).generate([req]))
+    _wait_for_tokens(server.engine, 20)
+    trainer_side.update_weights([list(models[1].state_dict().items())], version=1)
+    thread.join(120)
+    (s,) = out["result"]
+    versions = s.token_versions()
+    k = versions.count(0)
+    assert 20 <= k < 120 and versions == [0] * k + [1] * (120 - k)
+    # token j's log-prob: version j's weights over the whole prefix (teacher-forced, float32 on CPU)
+    ref = {v: torch.log_softmax(recompute_logits(m, s.prompt_ids, s.response_ids).double(), -1)
+           for v, m in models.items()}
+    expected = torch.tensor([float(ref[v][j, t]) for j, (v, t) in enumerate(zip(versions, s.response_ids))],
+                            dtype=torch.float64)
+    got = torch.tensor(s.logprobs, dtype=torch.float64)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+    # the old weights' log-probs differ after the boundary (the check could fail)
+    assert (got[k:] - ref[0][torch.arange(k, 120), torch.tensor(s.response_ids[k:])]).abs().max() > 1e-2
+    assert ("/pause_generation", 200) in calls and ("/flush_cache", 200) in calls
+    assert trainer_side.flush_refused == [0]
+    trainer_side.shutdown()
+
+
+def test_n1_flush_needs_sglangs_idleness_and_a_refusal_is_counted(server, monkeypatch, caplog):
+    """SGLang's is_fully_idle(ignore_waiting=paused): held in place -> flush refused (and a sync's refusal is
+    counted and logged, never silent); retracted -> flushed."""
+    client = SGLangClient(server.url, retry=FAST)
+    thread, out = _in_background(lambda: client.generate_one(
+        GenerateRequest((1, 2), SamplingParams(max_new_tokens=4000, ignore_eos=True))))
+    _wait_for_tokens(server.engine, 5)
+    client.pause_generation("in_place")
+    with pytest.raises(RequestRejected, match="Flush cache failed"):
+        client.flush_cache()
+    client.pause_generation("retract")
+    client.flush_cache()  # the held request now waits: the cache may go
+    client.continue_generation()
+    in_place = RemoteEngine([SGLangClient(server.url, retry=FAST)], pause_mode="in_place")
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.client.balancer"):
+        in_place.update_weights([list(_model(1).state_dict().items())], version=1)
+    assert in_place.flush_refused == [1]
+    assert "refused /flush_cache" in caplog.text and "old weights" in caplog.text
+    client.abort_request(abort_all=True)
+    thread.join(60)
+    assert out["result"][0].finish_reason == "abort"
+    in_place.shutdown()
