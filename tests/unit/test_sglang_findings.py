@@ -5,18 +5,24 @@ import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
+from megatron_rl.orchestration.colocation import Colocation
+from megatron_rl.orchestration.rollout_phase import Group, rollout_metrics
+from megatron_rl.metrics import PhaseTimer
 from megatron_rl.rollout.client.balancer import RemoteEngine
+from megatron_rl.rollout.client.mask_overflow import overflowed
 from megatron_rl.rollout.client.http_client import RequestRejected, RetryPolicy, ServerError, SGLangClient
 from megatron_rl.rollout.client.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.embedded.engine import EmbeddedEngine, EmbeddedEngineConfig
 from megatron_rl.rollout.embedded.server import EmbeddedServer
 
 from rollout_models import recompute_logits, tiny_qwen3
+from test_colocation import _Trainers
 
 FAST = RetryPolicy(max_attempts=3, backoff_s=0.01)
 
@@ -203,3 +209,129 @@ def test_n1_flush_needs_sglangs_idleness_and_a_refusal_is_counted(server, monkey
     thread.join(60)
     assert out["result"][0].finish_reason == "abort"
     in_place.shutdown()
+
+
+# ---- N3: sampling-mask overflow -----------------------------------------------------------------------------
+
+def _tied_model():
+    """Every logit equal: every token ties with the k-th, so any top_k > 1 support is the whole vocabulary."""
+    model = _model(0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    return model
+
+
+def test_n3_an_overflow_fails_the_whole_batch_and_the_client_drops_the_group(caplog):
+    server = EmbeddedServer(EmbeddedEngine(_tied_model(), EmbeddedEngineConfig(sampling_mask_max_tokens=4))).start()
+    try:
+        client = SGLangClient(server.url, retry=FAST)
+        # refused up front: a mask request needs top_k 1 or in [2, cap]
+        for params in ({"top_k": 50}, {"top_p": 0.9}):
+            with pytest.raises(RequestRejected, match=r"requires top_k=1 .* 1 < top_k <= 4; got top_k="):
+                client.generate_raw({"input_ids": [1], "return_sampling_mask": True,
+                                     "sampling_params": dict(params, max_new_tokens=2)})
+        # an overflow during generation: HTTP 400 for the whole batch (both items), not an abort item
+        with pytest.raises(RequestRejected, match="-> 400: Sampling support exceeds --sampling-mask-max-tokens=4"):
+            client.generate_raw({"input_ids": [[1], [2]], "return_sampling_mask": True,
+                                 "sampling_params": {"max_new_tokens": 3, "top_k": 2}})
+        # the client sends the group again with fresh seeds, then drops it (aborted, counted, logged); the run goes on
+        processed = SGLangClient(server.url, retry=FAST, logprob_mode="processed")
+        engine = RemoteEngine([processed])
+        req = GenerateRequest((1, 2), SamplingParams(max_new_tokens=3, top_k=2, n=3, seed=5))
+        with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.client.http_client"):
+            samples = engine.generate([req])
+        assert len(samples) == 3 and all(overflowed(s) and s.response_ids == [] for s in samples)
+        assert processed.mask_overflows == 2 and caplog.text.count("over --sampling-mask-max-tokens") == 2
+        assert "the group is dropped" in caplog.text
+        metrics = rollout_metrics([Group(SimpleNamespace(prompt_ids=[1, 2]), samples, [""] * 3, [0.0] * 3, [False] * 3)], [], 0, {}, {}, 1)
+        assert metrics["rollout/sampling_mask_overflow"] == 3.0 and metrics["rollout/aborted"] == 3.0
+        ok = engine.generate([GenerateRequest((1, 2), SamplingParams(max_new_tokens=3, top_k=1, seed=5))])
+        assert ok[0].finish_reason == "length"
+        engine.shutdown()
+    finally:
+        server.stop()
+
+
+# ---- N4, N5: what kills SGLang kills the double ----------------------------------------------------------------
+
+def _wait_down(server, client, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while client.health(timeout_s=1.0):
+        assert time.monotonic() < deadline, "the server did not go down"
+        time.sleep(0.05)
+    assert server.crashed is not None
+
+
+def test_n4_min_p_under_deterministic_inference_takes_the_server_down(server):
+    client = SGLangClient(server.url, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(ServerError, match="HTTP 500.*min_p=0.1"):
+        client.generate_raw({"input_ids": [1], "sampling_params": {"min_p": 0.1, "max_new_tokens": 2}})
+    _wait_down(server, client)
+    assert "multinomial_with_seed" in server.crashed
+
+
+def test_n5_resuming_a_tag_that_is_not_released_takes_the_server_down(server):
+    client = SGLangClient(server.url, retry=RetryPolicy(max_attempts=1))
+    client.release_memory_occupation(["kv_cache"])
+    client.resume_memory_occupation(["kv_cache"])
+    with pytest.raises(ServerError, match="HTTP 500.*KeyError: 'weights'"):
+        client.resume_memory_occupation(["weights"])
+    _wait_down(server, client)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_n5_release_while_requests_are_held_in_place_takes_the_server_down(server, mode):
+    """SGLang asserts is_fully_idle(ignore_waiting=paused): requests held in place are running (fatal), retracted
+    ones wait (the release goes through, and they finish after resume + continue)."""
+    client = SGLangClient(server.url, retry=RetryPolicy(max_attempts=1))
+    thread, out = _in_background(lambda: client.generate_one(
+        GenerateRequest((1, 2), SamplingParams(max_new_tokens=300, ignore_eos=True))))
+    _wait_for_tokens(server.engine, 5)
+    client.pause_generation(mode)
+    if mode == "in_place":
+        with pytest.raises(ServerError, match="HTTP 500.*should be called only when server is idle"):
+            client.release_memory_occupation()
+        _wait_down(server, client)
+        thread.join(30)
+        return
+    client.release_memory_occupation()
+    client.resume_memory_occupation()
+    client.continue_generation()
+    thread.join(60)
+    assert out["result"][0].finish_reason == "length" and server.crashed is None
+
+
+def test_n5_the_client_never_misuses_memory_tags_in_the_runs_sequences(server, monkeypatch):
+    """sync, colocated and partial sequences against the double (where a misuse is fatal, as on SGLang)."""
+    calls = _record(server, monkeypatch)
+    engine = RemoteEngine([SGLangClient(server.url, retry=FAST)])
+    req = GenerateRequest((1, 2), SamplingParams(max_new_tokens=4, seed=1, n=2))
+    weights = list(_model(1).state_dict().items())
+    # sync: generate, then update
+    engine.generate([req])
+    engine.update_weights([weights], version=1)
+    # colocated: release -> resume weights -> sync -> resume the rest -> probe; a checkpoint; a skipped sync
+    colocation = Colocation(engine, _Trainers(engine, []), PhaseTimer(), offload_trainer=True, check=True)
+    colocation.start()
+    for version in (2, 3):
+        engine.generate([req])
+        colocation.to_training()
+        colocation.sync(version)
+        with colocation.trainer_state_loaded():
+            pass
+    colocation.to_training()
+    colocation.resume()
+    # partial: two retract syncs while a long generation runs
+    partial = RemoteEngine([SGLangClient(server.url, retry=FAST)], pause_mode="retract")
+    thread, out = _in_background(lambda: engine.generate(
+        [GenerateRequest((3,), SamplingParams(max_new_tokens=200, ignore_eos=True, seed=2))]))
+    for version, tokens in ((4, 10), (5, 40)):
+        _wait_for_tokens(server.engine, tokens)
+        partial.update_weights([weights], version=version)
+    thread.join(60)
+    assert out["result"][0].token_versions()[-1] == 5
+    assert server.crashed is None and not [c for c in calls if c[1] >= 500]
+    paths = [p for p, _ in calls]
+    assert paths.count("/release_memory_occupation") == 5 and paths.count("/resume_memory_occupation") == 7
+    for e in (engine, partial):
+        e.shutdown()

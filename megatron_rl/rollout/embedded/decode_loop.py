@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator, List
 
 import torch
 
+from megatron_rl.rollout.client.mask_overflow import SAMPLING_MASK_OVERFLOW
 from megatron_rl.rollout.client.protocol import Sample
 from megatron_rl.rollout.client.weight_versions import compute_spans
 from megatron_rl.rollout.embedded.decode_batch import DecodeBatch, Row
@@ -223,7 +224,7 @@ class DecodeLoop:
                 continue
             if r.processed is not None and support[b] > cap:  # SGLang aborts the request (status OVERFLOW)
                 r.finish = "abort"
-                r.abort_message = (f"Sampling support exceeds --sampling-mask-max-tokens={cap}, commonly because "
+                r.abort_message = (f"{SAMPLING_MASK_OVERFLOW}{cap}, commonly because "
                                    "of cutoff ties. Lower top_k to leave more headroom or increase the server limit.")
                 continue
             tok = tokens[b]

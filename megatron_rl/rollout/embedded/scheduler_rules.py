@@ -35,6 +35,17 @@ def check_release(queue, engine) -> None:
         raise SchedulerCrash("AssertionError: release_memory_occupation should be called only when server is idle.")
 
 
+def check_sampling_mask(req, cap: int) -> None:
+    """SGLang refuses a ``return_sampling_mask`` request up front unless its top_k is 1 (greedy: SGLang sets it) or
+    in ``[2, cap]`` (``managers/scheduler.py:3172-3182``): ValueError, a 400 for the whole batch."""
+    if not req.return_sampling_logprobs:
+        return
+    top_k = 1 if req.sampling.greedy else req.sampling.top_k
+    if top_k != 1 and not 1 < top_k <= cap:
+        raise ValueError(f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= {cap}; "
+                            f"got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens.")
+
+
 def check_resume(released: Set[str], tags: Iterable[str]) -> None:
     for tag in tags:
         if tag not in released:

@@ -12,6 +12,8 @@ the HTTP client, the balancer, the weight sync and the driver meet SGLang's rule
 * ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``, and then all ``n`` children
   of a request share it (42 when absent); ``min_p > 0`` makes SGLang's seeded sampler assert, which takes the
   server down (here: 500, then the server stops; so do the memory-tag misuses, ``scheduler_rules.py``);
+* ``return_sampling_mask``: top_k must be 1 or in [2, ``--sampling-mask-max-tokens``] (else 400), and a sampling
+  support over that cap (ties at the top-k cutoff count) fails the whole batch with 400;
 * ``/pause_generation`` ``in_place`` and ``retract`` (``pause.py``); ``/flush_cache`` needs SGLang's
   ``is_fully_idle`` (requests held in place refuse it, retracted ones do not);
 * a batch (lists of ``input_ids``, ``sampling_params``, ``rid``) is one request per item, which keeps its rid
@@ -65,7 +67,10 @@ from megatron_rl.rollout.embedded.http_handler import (
     HTTPError, HTTPServer, body_field, make_handler, request_error, validation_error,
 )
 from megatron_rl.rollout.embedded.pause import PAUSE_MODES
-from megatron_rl.rollout.embedded.scheduler_rules import SchedulerCrash, check_release, check_resume, fully_idle
+from megatron_rl.rollout.client.mask_overflow import overflowed
+from megatron_rl.rollout.embedded.scheduler_rules import (
+    SchedulerCrash, check_release, check_resume, check_sampling_mask, fully_idle,
+)
 from megatron_rl.rollout.embedded.weight_endpoints import WeightEndpoints
 from megatron_rl.weights import group as weight_group
 
@@ -241,6 +246,11 @@ class EmbeddedServer(WeightEndpoints):
             raise (HTTPError(400, {"error": f"{e.field}: {e.message}"}) if e.contract
                    else request_error(f"{e.field}: {e.message}")) from None
         self.limits.check(requests)
+        for r in requests:
+            try:
+                check_sampling_mask(r, self.engine.config.sampling_mask_max_tokens)
+            except ValueError as e:
+                raise request_error(str(e)) from None
         for i, r in enumerate(requests):
             try:
                 self.engine.check_request(r)
@@ -264,6 +274,9 @@ class EmbeddedServer(WeightEndpoints):
             samples = self.queue.submit([c for _, c in children])
         except EngineUnavailableError as e:
             raise request_error(str(e)) from None
+        for s in samples:  # SGLang: one request's 400 abort fails the whole batch (scheduler_rules.py)
+            if overflowed(s):
+                raise request_error(s.abort_message)
         layout = self.engine.routing.layout
         vocab = self.engine.model.config.vocab_size
         prompt_lp: Dict[int, Any] = {}
