@@ -10,8 +10,8 @@ mode's over-sampling budget ``prompts_per_step * (1 + max_oversample_rounds)``).
 
 Publishing the step's weights:
 
-* ``rollout.partial``: the trainer's weight sync pauses the engines in place around the update
-  (``RemoteEngine(pause_mode="in_place")``), so the groups in flight continue on the new weights; their
+* ``rollout.partial``: the trainer's weight sync pauses the engines around the update
+  (``RemoteEngine(pause_mode="retract")``: held requests are prefilled again under the new weights), so the groups in flight continue on the new weights; their
   responses report which tokens each version produced (``Sample.weight_versions``), which becomes the
   per-token ``policy_version`` of the loss. Batches take the finished groups with the earliest deadlines
   (the controller's ``"ready"`` order): a long generation may finish while newer groups train.

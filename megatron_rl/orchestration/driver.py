@@ -10,7 +10,7 @@
 
 ``rollout.mode``: ``sync`` generates each batch when its step starts; ``one_step`` generates the next step's
 batch while this step trains (one step stale); ``async`` generates continuously under the
-``rollout.max_staleness`` bound, pausing in-flight generations in place across the weight sync with
+``rollout.max_staleness`` bound, pausing in-flight generations (retract) across the weight sync with
 ``rollout.partial``. The decoupled loss and rollout correction account for the staleness, token by token.
 Colocated engines hand their memory to the trainer between the rollout and the sync, and take it back piece
 by piece around the sync (``colocation.py``).

@@ -30,6 +30,7 @@ from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.diagnostics import reward_entropy_bits
 from megatron_rl.metrics import progress
 from megatron_rl.orchestration.activity import BusyMeter
+from megatron_rl.rollout.client.mask_overflow import overflowed
 from megatron_rl.rollout.client.protocol import GenerateRequest, RolloutEngine, Sample, SamplingParams
 from megatron_rl.rollout.client.weight_versions import version_number
 
@@ -208,6 +209,8 @@ def rollout_metrics(generated: List[Group], kept: List[Group], rounds: int, time
         "rollout/response_len_max": float(max(lengths)),
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         "rollout/aborted": float(sum(s.finish_reason == "abort" for s in samples)),
+        # groups SGLang refused over --sampling-mask-max-tokens even when sent again (rollout/client/mask_overflow.py)
+        "rollout/sampling_mask_overflow": float(sum(overflowed(s) for s in samples)),
         "rollout/response_tokens": float(sum(lengths)),
         "reward/entropy_bits": reward_entropy_bits([g.outcomes for g in generated]),  # §i: bits per episode
         "rollout/prompt_tokens": float(sum(len(g.record.prompt_ids) * len(g.samples) for g in generated)),

@@ -140,7 +140,7 @@ def connect(cfg: RunConfig, cluster: Cluster, timer: PhaseTimer, closers: Closer
     cluster.engine = RemoteEngine(clients, policy=r.balancer, max_concurrency=r.max_concurrency)
     closers.append(cluster.engine.shutdown)
     cluster.trainers.connect_engines(urls, r.transport, r.balancer, r.request_timeout_s,
-                                     pause_mode="in_place" if r.partial else None,
+                                     pause_mode="retract" if r.partial else None,
                                      control_timeout_s=r.control_timeout_s)
     if r.placement == "colocated" and cluster.placement.engines:
         offload = r.offload_trainer if r.offload_trainer is not None else cfg.cluster.gpus_per_trainer > 0

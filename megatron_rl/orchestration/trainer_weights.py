@@ -25,8 +25,8 @@ class TrainerWeights:
                         pause_mode: Optional[str] = None, control_timeout_s: float = 30.0) -> None:
         """Rank 0: a RemoteEngine over ``urls`` (and, for the distributed transport, the weight group it
         hosts); every rank: the WeightSync that joins rank 0's gathers (``ipc``: and its IpcTransport).
-        ``pause_mode="in_place"`` (partial rollouts): each sync holds the engines' running requests in place
-        around the update."""
+        ``pause_mode="retract"`` (partial rollouts): each sync holds the engines' running requests around the
+        update and they are prefilled again under the new weights."""
         self._transport = transport
         self._group_timeout_s = timeout_s
         self._ipc = None

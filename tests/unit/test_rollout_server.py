@@ -135,13 +135,6 @@ def test_seeds_are_ignored_without_deterministic_inference():
     assert len(outputs["deterministic"]) == 1 and len(outputs["ignored"]) > 1
 
 
-def test_deterministic_inference_refuses_min_p(moe_server):
-    """SGLang's seeded sampler asserts on min_p > 0 (it crashes the scheduler; the double answers 500)."""
-    client = SGLangClient(moe_server.url, retry=RetryPolicy(max_attempts=1))
-    with pytest.raises(ServerError, match="HTTP 500.*min_p=0.1.*asserts"):
-        client.generate_raw({"input_ids": [1], "sampling_params": {"min_p": 0.1, "max_new_tokens": 2}})
-
-
 def test_processed_logprobs_come_from_the_sampling_mask_fields():
     """output_token_logprobs are always raw; "processed" is output_token_sampling_logprobs (defect 5)."""
     model = tiny_qwen3()
@@ -158,18 +151,6 @@ def test_processed_logprobs_come_from_the_sampling_mask_fields():
             assert processed.logprobs[t] == pytest.approx(processed_logprob_reference(logits[t], tok, params),
                                                           abs=1e-5)
         assert max(abs(a - b) for a, b in zip(raw.logprobs, processed.logprobs)) > 1e-3  # they do differ
-    finally:
-        server.stop()
-
-
-def test_sampling_support_over_the_cap_aborts_the_request():
-    server = EmbeddedServer(EmbeddedEngine(tiny_qwen3(), EmbeddedEngineConfig(sampling_mask_max_tokens=4))).start()
-    try:
-        client = SGLangClient(server.url, retry=FAST)
-        item = client.generate_raw({"input_ids": [1], "return_sampling_mask": True, "return_logprob": True,
-                                    "sampling_params": {"max_new_tokens": 4, "top_k": 50}})
-        assert item["meta_info"]["finish_reason"]["type"] == "abort"
-        assert "--sampling-mask-max-tokens=4" in item["meta_info"]["finish_reason"]["message"]
     finally:
         server.stop()
 
@@ -410,9 +391,7 @@ def test_release_resume_info_and_version(dense_server):
     assert not client.health()  # SGLang cannot generate its health token without memory
     with pytest.raises(RequestRejected, match="resume_memory"):
         client.generate_one(GenerateRequest((1,), SamplingParams(max_new_tokens=2)))
-    client.resume_memory_occupation(["weights"])
-    with pytest.raises(RequestRejected, match="'weights': memory of this tag was not released"):
-        client.resume_memory_occupation(["weights"])  # SGLang: offload_tags.remove -> KeyError
+    client.resume_memory_occupation(["weights"])  # resuming it twice is fatal: test_sglang_findings.py (N5)
     client.resume_memory_occupation(["kv_cache", "cuda_graph"])
     assert client.health()
     client.update_weight_version("v9")

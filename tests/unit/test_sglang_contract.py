@@ -76,7 +76,12 @@ class SGLangRank(Recording):
     """Our client whose weight-group calls are answered by SGLang's own ``WeightUpdater`` (``weight_group_rank.py``):
     ``/init_weights_update_group`` starts it with the body's arguments (it joins through
     ``init_custom_process_group``), each ``/update_weights_from_distributed`` body is handed to it and answered with
-    its result, ``/destroy_weights_update_group`` ends it. Everything else gets SGLang's success answer."""
+    its result, ``/destroy_weights_update_group`` ends it. Once joined, the update session, ``/flush_cache`` and
+    pause/continue are answered by SGLang's own ``SchedulerWeightUpdaterManager`` and ``Scheduler`` code
+    (``scheduler_stub.py``). ``/server_info`` and ``/update_weight_version`` get SGLang's success answer."""
+
+    ANSWERED = ("/begin_weight_update", "/end_weight_update", "/flush_cache", "/pause_generation",
+                "/continue_generation")
 
     def __init__(self, python: str, log: list):
         super().__init__("http://127.0.0.1:9", log, timeout_s=300)  # never connected
@@ -94,15 +99,26 @@ class SGLangRank(Recording):
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             return self._answer("joined")
         if path == "/update_weights_from_distributed":
-            self.proc.stdin.write(json.dumps(body) + "\n")
-            self.proc.stdin.flush()
+            self._send(path, body)
             return self._answer("bucket")
+        if path in self.ANSWERED and self.proc is not None:
+            self._send(path, body)
+            return self._answer("answer")
         if path == "/destroy_weights_update_group":
             self.proc.stdin.close()
             answer = self._answer("destroyed")
             self.proc.wait(60)
             return answer
         return {"success": True, "message": "Success"}
+
+    def hold(self) -> None:
+        """A request starts running on the rank's scheduler (not a request of ours: not logged)."""
+        self._send("/_hold", {})
+        self._answer("answer")
+
+    def _send(self, path: str, body) -> None:
+        self.proc.stdin.write(json.dumps({"endpoint": path, "body": body}) + "\n")
+        self.proc.stdin.flush()
 
     def _answer(self, event: str):
         line = self.proc.stdout.readline()
@@ -111,7 +127,8 @@ class SGLangRank(Recording):
         assert got["event"] == event, got
         self.events.append(got)
         if not got["success"]:
-            raise RequestRejected(got["message"], self.url, 400, got)
+            raise RequestRejected(f"{self.url} -> {got.get('status', 400)}: {got['message']}", self.url,
+                                  got.get("status", 400), got)
         return {"success": True, "message": got["message"]}
 
 
@@ -152,6 +169,7 @@ def session(sglang_python):
         engine.release_memory()
         engine.resume_memory()
         processed.pause_generation("in_place")
+        processed.pause_generation("retract")
         processed.continue_generation()
         processed.abort_request("grp-0")
         processed.abort_request(abort_all=True)
@@ -167,17 +185,21 @@ def session(sglang_python):
         moe_engine.shutdown()
 
         rank = SGLangRank(sglang_python, log)
-        sync = RemoteEngine([rank], weight_transport="distributed", pause_mode="in_place")
+        sync = RemoteEngine([rank], weight_transport="distributed", pause_mode="retract")
         sync.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=300)
         buckets = _buckets()
+        rank.hold()  # a generation runs on the rank: the retract sync flushes anyway
         sync.update_weights(buckets, version=3)
+        sync.pause_mode = "in_place"  # one in-place sync over a running generation: SGLang refuses its flush
+        rank.hold()
+        sync.update_weights(buckets, version=4)
         sync.close_weight_sync()
         sync.shutdown()
     finally:
         dense.stop()
         moe.stop()
     judged = run_side(sglang_python, "validate_requests.py", {"vocab_size": VOCAB, "requests": log})
-    return dict(log=log, judged=judged, events=rank.events, buckets=buckets)
+    return dict(log=log, judged=judged, events=rank.events, buckets=buckets, flush_refused=sync.flush_refused)
 
 
 def test_every_request_we_send_is_accepted_by_sglang_with_no_field_dropped(session):
@@ -214,19 +236,30 @@ def test_our_weight_group_feeds_sglangs_weight_updater_bit_exactly(session):
     events = session["events"]
     assert events[0]["event"] == "joined" and events[0]["success"]
     received = [e for e in events if e["event"] == "bucket"]
-    assert [e["success"] for e in received] == [True, True]
-    for bucket, got in zip(session["buckets"], received):
+    assert [e["success"] for e in received] == [True] * 4  # two syncs
+    for bucket, got in zip(session["buckets"] * 2, received):
         assert got["tensors"] == {name: _summary(t) for name, t in bucket}
     assert events[-1]["event"] == "destroyed" and events[-1]["success"]
     announces = [r["body"] for r in session["log"] if r["endpoint"] == "/update_weights_from_distributed"]
-    assert [a.get("load_format") for a in announces] == ["flattened_bucket", None]
+    assert [a.get("load_format") for a in announces] == ["flattened_bucket", None] * 2
     assert all(a["flush_cache"] is False for a in announces)
     order = [r["endpoint"] for r in session["log"]]
     sync = order[order.index("/init_weights_update_group"):]  # the dense/MoE servers never synced
-    assert sync == ["/init_weights_update_group", "/pause_generation", "/begin_weight_update",
-                    "/update_weights_from_distributed", "/update_weights_from_distributed", "/end_weight_update",
-                    "/flush_cache", "/update_weight_version", "/continue_generation",
-                    "/destroy_weights_update_group"]
+    one = ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
+           "/update_weights_from_distributed", "/end_weight_update", "/flush_cache", "/update_weight_version",
+           "/continue_generation"]
+    assert sync == ["/init_weights_update_group", *one, *one, "/destroy_weights_update_group"]
+    assert [r["body"]["mode"] for r in session["log"] if r["endpoint"] == "/pause_generation"][-2:] == [
+        "retract", "in_place"]
+
+
+def test_partial_syncs_flush_under_sglangs_own_retract_and_idleness_rules(session):
+    """N1 judged by SGLang's Scheduler.pause_generation / flush_cache / is_fully_idle and its session manager: with
+    a request running, the retract sync's flush succeeds; the in-place sync's is refused (counted by the balancer)."""
+    answers = [(e["endpoint"], e["status"]) for e in session["events"] if e["event"] == "answer"]
+    assert [a for a in answers if a[0] == "/flush_cache"] == [("/flush_cache", 200), ("/flush_cache", 400)]
+    assert answers.count(("/begin_weight_update", 200)) == 2 and answers.count(("/end_weight_update", 200)) == 2
+    assert session["flush_refused"] == [1]
 
 
 @pytest.mark.parametrize("load_format", [tensor_payload.FLATTENED, None])

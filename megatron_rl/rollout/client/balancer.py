@@ -15,11 +15,14 @@ new URL). Without ``on_failure`` a failure is raised as before.
 Weight updates go to every server inside SGLang's weight-update session (``/begin_weight_update`` on every
 server first: SGLang refuses updates outside one, and a refused announce would leave the broadcast below
 waiting forever; ``/end_weight_update`` on every server after the last bucket, also after a failure), then
-one ``/flush_cache`` and the version. With ``pause_mode="in_place"`` (partial rollouts) the whole update runs
-inside ``/pause_generation`` ... ``/continue_generation``: running requests are held between two decode steps,
-take the new weights and version, and go on (SGLang records the version change on them: the response's
-``weight_versions`` spans say which tokens each version produced). SGLang refuses the flush while requests are
-held (their KV cache is in use), so then it is skipped; a server with nothing held is flushed. Two transports:
+one ``/flush_cache`` and the version. With a ``pause_mode`` the whole update runs inside ``/pause_generation``
+... ``/continue_generation``: running requests are held between two decode steps, take the new weights and
+version, and go on (SGLang records the version change on them: the response's ``weight_versions`` spans say
+which tokens each version produced). ``"retract"`` (partial rollouts) frees the held requests' KV cache and
+prefills them again under the new weights, keeping their tokens and log-probs, so the flush succeeds and no KV
+of old weights survives the sync. ``"in_place"`` keeps that KV, and SGLang then refuses the flush (the prefix
+cache keeps old-weights KV for later requests): such a refusal is logged and counted in ``flush_refused``.
+Without a pause mode a refused flush raises. Two transports:
 
 * ``"tensor"``: ``/update_weights_from_tensor`` with the embedded server's safetensors formats (embedded
   servers only).
@@ -54,7 +57,7 @@ from megatron_rl.weights.receiver import NamedTensorBucket
 log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_outstanding")
-PAUSE_MODES = (None, "in_place")
+PAUSE_MODES = (None, "retract", "in_place")
 TRANSPORTS = ("tensor", "distributed", "ipc")
 
 
@@ -82,6 +85,7 @@ class RemoteEngine(WeightGroupHost, RolloutEngine):
         self.on_failure: Optional[Callable[[int, BaseException], None]] = None
         self.max_resends = max_resends
         self.resent = [0] * len(self.clients)  # requests re-sent because server i could not be reached
+        self.flush_refused = [0] * len(self.clients)  # syncs after which server i kept its prefix cache
         self._fatal: Optional[BaseException] = None
         self._progress = [0.0] * len(self.clients)  # last time server i answered a request or became busy
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout-http")
@@ -250,10 +254,15 @@ class RemoteEngine(WeightGroupHost, RolloutEngine):
     def _flush(self, client: SGLangClient) -> None:
         try:
             client.flush_cache()
-        except RequestRejected:
+        except RequestRejected as e:
             if self.pause_mode is None:
                 raise
-            log.debug("%s holds paused requests: cache not flushed (SGLang refuses while they are held)", client.url)
+            with self._lock:
+                i = self.clients.index(client)
+                self.flush_refused[i] += 1
+            log.warning("%s refused /flush_cache after the weight update (%s): its prefix cache keeps KV computed by "
+                        "the old weights for the requests that follow (%d such syncs; pause_mode=%r -- 'retract' "
+                        "avoids it)", client.url, e, self.flush_refused[i], self.pause_mode)
 
     def _start_bucket(self, bucket: List) -> Callable[[], None]:
         """Start sending ``bucket`` to every server; returns the call that waits for it (and raises its error)."""

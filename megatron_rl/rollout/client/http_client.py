@@ -6,7 +6,7 @@ control messages, so connection reuse buys nothing and a fresh socket never inhe
 Failure policy (``RetryPolicy``):
 * connection refused / reset / dropped, and 5xx except 501: retried with exponential backoff;
 * a call that is not idempotent (joining a weight group, receiving a broadcast) is retried only when
-  the connection was *refused* -- then the server provably never saw it;
+  the connection was *refused* -- then the server provably never saw it (a 5xx is raised as ``ServerError``);
 * ``restart_dead_server``: when a connection fails and the ``is_alive`` hook says the process is gone,
   call the ``restart`` hook (e.g. ``ManagedServer.restart``) before the next attempt;
 * 4xx: never retried; raised as ``RequestRejected`` with the server's message (``wire.error_message``
@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_rl.rollout.client import wire
+from megatron_rl.rollout.client import mask_overflow, wire
 from megatron_rl.rollout.client.client_weights import WeightCalls
 from megatron_rl.rollout.client.errors import RequestRejected, ServerError, ServerUnavailableError
 from megatron_rl.rollout.client.protocol import ExpertLayout, GenerateRequest, Sample, derive_seed
@@ -110,6 +110,8 @@ class SGLangClient(WeightCalls):
         self.max_in_flight = max_in_flight
         self._slots = threading.Condition()
         self._in_flight = 0
+        self.mask_overflows = 0  # /generate batches refused over --sampling-mask-max-tokens (mask_overflow.py)
+        self.mask_overflow_retries = 1
 
     def with_url(self, url: str) -> "SGLangClient":
         """A client with this one's settings for another server (a restarted engine's new address)."""
@@ -166,7 +168,8 @@ class SGLangClient(WeightCalls):
                 cls = RequestRejected if status < 500 else ServerError
                 raise cls(f"{method} {self.url}{path} -> {status}: {message}", self.url, status, payload)
             last = f"HTTP {status}: {message}"
-            if not policy.retry_on_5xx:
+            # a 5xx may come after the server acted (joined the group, received the bucket): never resent
+            if not policy.retry_on_5xx or not idempotent:
                 raise ServerError(f"{method} {self.url}{path} -> {last}", self.url, status, payload)
         hint = "" if self.restart is not None and policy.restart_dead_server else (
             "; if the server died, restart it or use RetryPolicy(restart_dead_server=True) with a restart hook")
@@ -205,16 +208,37 @@ class SGLangClient(WeightCalls):
 
     def generate_one(self, req: GenerateRequest) -> List[Sample]:
         """One request -> its ``n`` samples, sent as one ``/generate`` batch of ``n`` one-sample items, each with its
-        own seed (``derive_seed(seed, j)``; a random seed when the request has none) and rid (``rid-j``)."""
+        own seed (``derive_seed(seed, j)``; a random seed when the request has none) and rid (``rid-j``). A batch
+        refused over ``--sampling-mask-max-tokens`` is sent again or dropped (``mask_overflow.py``)."""
         base = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
+        # "processed" differs from "raw" only under a filter; unfiltered, SGLang's support is the whole vocabulary
+        # (and over --sampling-mask-max-tokens it refuses the batch)
+        processed = self.logprob_mode == "processed" and req.sampling.filtered
+        for attempt in range(1 + self.mask_overflow_retries):
+            children = self._children_of(req, base if attempt == 0 else mask_overflow.retry_seed(base, attempt))
+            try:
+                return self._generate_children(req, children, processed)
+            except RequestRejected as e:
+                if not mask_overflow.is_overflow(e):
+                    raise
+                with self._lock:
+                    self.mask_overflows += 1
+                last = wire.error_message(e.payload) or str(e)
+                log.warning("%s refused a group of %d samples over --sampling-mask-max-tokens (attempt %d of %d%s): "
+                            "%s", self.url, len(children), attempt + 1, 1 + self.mask_overflow_retries,
+                            "; sending it again with fresh seeds" if attempt < self.mask_overflow_retries else
+                            "; the group is dropped (aborted samples)", last)
+        return mask_overflow.aborted_group(children, last, "processed")
+
+    def _children_of(self, req: GenerateRequest, base: int) -> List[GenerateRequest]:
         rid = req.rid or secrets.token_hex(16)
         n = req.sampling.n
-        children = [GenerateRequest(req.prompt_ids, dataclasses.replace(req.sampling, n=1, seed=derive_seed(base, j)),
-                                    req.return_top_logprobs, req.return_routed_experts, rid if n == 1 else f"{rid}-{j}",
-                                    req.return_sampling_logprobs) for j in range(n)]
-        # "processed" differs from "raw" only under a filter; unfiltered, SGLang's support is the whole vocabulary
-        # (and over --sampling-mask-max-tokens it aborts the request)
-        processed = self.logprob_mode == "processed" and req.sampling.filtered
+        return [GenerateRequest(req.prompt_ids, dataclasses.replace(req.sampling, n=1, seed=derive_seed(base, j)),
+                                req.return_top_logprobs, req.return_routed_experts, rid if n == 1 else f"{rid}-{j}",
+                                req.return_sampling_logprobs) for j in range(n)]
+
+    def _generate_children(self, req: GenerateRequest, children: List[GenerateRequest], processed: bool) -> List[Sample]:
+        n, rid = len(children), req.rid or children[0].rid
         body = (wire.request_to_json(children[0], sampling_logprobs=processed) if n == 1 else
                 wire.batch_request_to_json(children, sampling_logprobs=processed))
         with self._lock:

@@ -31,8 +31,16 @@ class WeightGroupHost:
         ``master_port=0``: a port the OS picks, bound before any server is told about it (recommended).
         Calling it again replaces the group (after a server restart, or a broken broadcast)."""
         self._destroy_group()
-        sizes = [int(info.get("tp_size", 1)) * int(info.get("pp_size", 1) or 1)
-                 for info in self._each(lambda c: c.server_info())]
+        infos = self._each(lambda c: c.server_info())
+        for c, info in zip(self.clients, infos):
+            # SGLang's engine rank is rank_offset + tp_rank (model_runner_components/weight_updater.py): the
+            # pipeline stages of one server would take the same ranks
+            if int(info.get("pp_size") or 1) > 1:
+                raise ValueError(f"weight_transport='distributed' supports servers with tensor parallelism only; "
+                                 f"{c.url} reports pp_size={info.get('pp_size')} (its pipeline stages would collide "
+                                 "on the weight group's ranks): start it with --pp-size 1 or use "
+                                 "weight_transport='tensor'")
+        sizes = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         self._group_generation += 1

@@ -15,9 +15,11 @@ from typing import Callable, Iterable, Iterator, List
 
 import torch
 
+from megatron_rl.rollout.client.mask_overflow import SAMPLING_MASK_OVERFLOW
 from megatron_rl.rollout.client.protocol import Sample
 from megatron_rl.rollout.client.weight_versions import compute_spans
 from megatron_rl.rollout.embedded.decode_batch import DecodeBatch, Row
+from megatron_rl.rollout.embedded.pause import reprefill
 from megatron_rl.rollout.embedded.sampling import make_generator, sample_next
 
 
@@ -187,9 +189,9 @@ class DecodeLoop:
 
     def _wait_if_paused(self, batch: DecodeBatch) -> None:
         """Hold the batch while paused. The lock is let go meanwhile so weight updates and version changes
-        go through (SGLang's in-place pause, used for partial rollouts): tokens after ``continue`` then
-        come from the new weights (over the KV cache the old ones computed, as SGLang's in-place pause
-        keeps it), and ``Sample.weight_versions`` says which version produced which tokens."""
+        go through: tokens after ``continue`` then come from the new weights -- over the KV cache the old ones
+        computed (``in_place``), or over a cache rebuilt with the new ones (``retract``, partial rollouts;
+        ``pause.py``) -- and ``Sample.weight_versions`` says which version produced which tokens."""
         if self._unpaused.is_set():
             return
         epoch = min((r.epoch for r in batch.rows), default=self._abort_epoch)
@@ -203,6 +205,8 @@ class DecodeLoop:
         self._require_live()
         if self._released and batch.rows:
             raise EngineUnavailableError("memory was released while generation was paused; the batch is lost")
+        if self._pause_mode == "retract" and batch.rows:
+            reprefill(self, batch)
 
     def _record_step(self, rows: List[Row], res) -> None:
         self.last_progress = time.monotonic()
@@ -220,7 +224,7 @@ class DecodeLoop:
                 continue
             if r.processed is not None and support[b] > cap:  # SGLang aborts the request (status OVERFLOW)
                 r.finish = "abort"
-                r.abort_message = (f"Sampling support exceeds --sampling-mask-max-tokens={cap}, commonly because "
+                r.abort_message = (f"{SAMPLING_MASK_OVERFLOW}{cap}, commonly because "
                                    "of cutoff ties. Lower top_k to leave more headroom or increase the server limit.")
                 continue
             tok = tokens[b]

@@ -118,6 +118,7 @@ class EmbeddedEngine(DecodeLoop, RolloutEngine):
         self._abort_epoch = 0
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self._pause_mode = "in_place"
         self.busy_since: Optional[float] = None  # monotonic time a batch started (None: idle)
         self.last_progress = time.monotonic()  # monotonic time of the last prefill / decode step
         # transformers 5 renamed forward(past_key_values=) to forward(cache=); keep both working
@@ -324,8 +325,12 @@ class EmbeddedEngine(DecodeLoop, RolloutEngine):
         elif rid is not None:
             self._aborted.add(rid)
 
-    def pause(self) -> None:
-        """Hold running requests in place between decode steps (SGLang ``pause_generation`` in_place)."""
+    def pause(self, mode: str = "in_place") -> None:
+        """Hold running requests between decode steps (SGLang ``pause_generation``): ``in_place`` keeps their KV
+        cache, ``retract`` rebuilds it under the then current weights on ``continue_generation`` (``pause.py``)."""
+        if mode not in ("in_place", "retract"):
+            raise ValueError(f"pause mode={mode!r}: expected 'in_place' or 'retract'")
+        self._pause_mode = mode
         self._unpaused.clear()
 
     def continue_generation(self) -> None:
@@ -334,6 +339,11 @@ class EmbeddedEngine(DecodeLoop, RolloutEngine):
     @property
     def paused(self) -> bool:
         return not self._unpaused.is_set()
+
+    @property
+    def retracted(self) -> bool:
+        """Paused with ``retract``: the held requests count as waiting, not running (``scheduler_rules.py``)."""
+        return self.paused and self._pause_mode == "retract"
 
     def live_tokens(self) -> List[int]:
         """Tokens generated so far by each sequence of the running batch (progress, for tests and tools)."""

@@ -82,6 +82,18 @@ class GenerationQueue:
         with self._cv:
             return bool(self._jobs) or bool(self._in_flight)
 
+    @property
+    def running(self) -> bool:
+        """Rows are in the engine's batch (held there too while paused)."""
+        with self._cv:
+            return bool(self._in_flight)
+
+    @property
+    def waiting(self) -> bool:
+        """Jobs whose rows have not all joined the batch yet (SGLang's waiting queue)."""
+        with self._cv:
+            return any(not j.exhausted for j in self._jobs)
+
     def pause(self) -> None:
         with self._cv:
             self._paused = True

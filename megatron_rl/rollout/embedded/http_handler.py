@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict
 from megatron_rl.rollout.client import wire
 from megatron_rl.rollout.embedded import http_body
 from megatron_rl.rollout.embedded.decode_loop import EngineUnavailableError
+from megatron_rl.rollout.embedded.scheduler_rules import SchedulerCrash
 
 if TYPE_CHECKING:
     from megatron_rl.rollout.embedded.server import EmbeddedServer
@@ -92,6 +93,9 @@ def make_handler(server: "EmbeddedServer"):
                 status, payload = e.status, e.payload
             except EngineUnavailableError as e:
                 status, payload = 400, {"error": {"message": str(e)}}
+            except SchedulerCrash as e:  # fatal on SGLang: answer, then go down (scheduler_rules.py)
+                status, payload = 500, {"error": {"message": str(e)}}
+                server.crash(str(e))
             except Exception as e:  # noqa: BLE001 - a bug must still answer, with its message
                 log.exception("error serving %s %s", method, path)
                 status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}

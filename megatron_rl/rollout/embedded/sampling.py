@@ -196,7 +196,17 @@ def _sample_sorted(logp: torch.Tensor, rows: RowParams, generators: Sequence[tor
         n = min(top_n, logp.shape[1])
         top_ids, top_values = order[:, :n].clone(), sorted_out[:, :n].clone()
     return StepResult(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_values=top_values, processed=processed,
-                      support=keep.sum(-1))
+                      support=_support(sorted_logp, keep, rows))
+
+
+def _support(sorted_logp: torch.Tensor, keep: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """``[B]`` SGLang's sampling support: its top-k is a threshold (``p >= p_k``), so tokens tied with the k-th
+    are in the support too (the usual cause of a --sampling-mask-max-tokens overflow); sampling here still keeps
+    exactly the top-k prefix. Greedy / top_k=1 rows: the argmax alone."""
+    kept = keep.sum(-1)
+    edge = sorted_logp.gather(1, (kept - 1).unsqueeze(1))
+    tied = (sorted_logp >= edge).sum(-1)
+    return torch.where((rows.top_k > 1) & (rows.temperature > 0), torch.maximum(kept, tied), kept)
 
 
 def processed_logprob_reference(logits: torch.Tensor, token: int, params: SamplingParams) -> float:

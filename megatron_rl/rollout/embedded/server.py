@@ -10,7 +10,12 @@ the HTTP client, the balancer, the weight sync and the driver meet SGLang's rule
   because requests are running or queued fails the update call (the weights are loaded all the same);
 * the weight group is joined exactly as ``init_custom_process_group`` does (``weight_group.py``);
 * ``sampling_seed`` is honoured only with ``--enable-deterministic-inference``, and then all ``n`` children
-  of a request share it (42 when absent); ``min_p > 0`` makes SGLang's seeded sampler assert (500 here);
+  of a request share it (42 when absent); ``min_p > 0`` makes SGLang's seeded sampler assert, which takes the
+  server down (here: 500, then the server stops; so do the memory-tag misuses, ``scheduler_rules.py``);
+* ``return_sampling_mask``: top_k must be 1 or in [2, ``--sampling-mask-max-tokens``] (else 400), and a sampling
+  support over that cap (ties at the top-k cutoff count) fails the whole batch with 400;
+* ``/pause_generation`` ``in_place`` and ``retract`` (``pause.py``); ``/flush_cache`` needs SGLang's
+  ``is_fully_idle`` (requests held in place refuse it, retracted ones do not);
 * a batch (lists of ``input_ids``, ``sampling_params``, ``rid``) is one request per item, which keeps its rid
   and seed when ``n = 1`` (a string ``rid`` becomes ``rid_i``); answered when every item is done;
 * ``n > 1`` children get fresh ids; prompt ids ``>= vocab_size - 1`` are reported as 0 in
@@ -65,6 +70,11 @@ from megatron_rl.rollout.embedded.generation_queue import GenerationQueue
 from megatron_rl.rollout.embedded.http_handler import (
     HTTPError, HTTPServer, body_field, make_handler, request_error, validation_error,
 )
+from megatron_rl.rollout.embedded.pause import PAUSE_MODES
+from megatron_rl.rollout.client.mask_overflow import overflowed
+from megatron_rl.rollout.embedded.scheduler_rules import (
+    SchedulerCrash, check_release, check_resume, check_sampling_mask, fully_idle,
+)
 from megatron_rl.rollout.embedded.weight_endpoints import WeightEndpoints
 from megatron_rl.weights import group as weight_group
 
@@ -116,6 +126,7 @@ class EmbeddedServer(WeightEndpoints):
         self._session = False  # a weight-update session is open
         self._released: set = set()  # memory tags released
         self._capture = None  # a torch-profiler session over this process (/start_profile)
+        self.crashed: Optional[str] = None  # why the server went down (crash())
         self._update_lock = threading.Lock()  # weight endpoints run one at a time, as SGLang's scheduler does
         self._routes: Dict[Tuple[str, str], Callable[[Dict[str, Any]], Any]] = {}
         for path, handler, methods in [
@@ -139,6 +150,7 @@ class EmbeddedServer(WeightEndpoints):
             for method in methods:
                 self._routes[(method, path)] = handler
         self.httpd = HTTPServer((host, port), make_handler(self))
+        self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -161,12 +173,25 @@ class EmbeddedServer(WeightEndpoints):
         self.httpd.serve_forever()
 
     def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
         self.httpd.shutdown()
         self.engine.abort(abort_all=True)
         self.queue.stop()
         self.httpd.server_close()
 
+    def crash(self, reason: str) -> None:
+        """What SGLang does when its scheduler raises: the server goes down (``scheduler_rules.py``). This answer
+        still goes out (500); the listening socket closes from another thread."""
+        if self.crashed is None:
+            self.crashed = reason
+            log.error("Scheduler hit an exception: %s; the server goes down (as SGLang 0.5.23's does)", reason)
+            threading.Thread(target=self.stop, name="embedded-server-crash", daemon=True).start()
+
     def dispatch(self, method: str, path: str, body: Any) -> Tuple[int, Any]:
+        if self.crashed is not None:
+            raise SchedulerCrash(f"the server is down: {self.crashed}")
         handler = self._routes.get((method, path))
         if handler is None:
             if any(p == path for _, p in self._routes):
@@ -228,11 +253,16 @@ class EmbeddedServer(WeightEndpoints):
             raise (HTTPError(400, {"error": f"{e.field}: {e.message}"}) if e.contract
                    else request_error(f"{e.field}: {e.message}")) from None
         self.limits.check(requests)
+        for r in requests:
+            try:
+                check_sampling_mask(r, self.engine.config.sampling_mask_max_tokens)
+            except ValueError as e:
+                raise request_error(str(e)) from None
         for i, r in enumerate(requests):
             try:
                 self.engine.check_request(r)
             except SamplerAssertionError as e:
-                raise request_error(str(e), status=500) from None
+                raise SchedulerCrash(str(e)) from None
             except ValueError as e:
                 raise request_error(str(e)) from None
             if len(r.prompt_ids) + r.sampling.max_new_tokens > self.engine.max_context:
@@ -251,6 +281,9 @@ class EmbeddedServer(WeightEndpoints):
             samples = self.queue.submit([c for _, c in children])
         except EngineUnavailableError as e:
             raise request_error(str(e)) from None
+        for s in samples:  # SGLang: one request's 400 abort fails the whole batch (scheduler_rules.py)
+            if overflowed(s):
+                raise request_error(s.abort_message)
         layout = self.engine.routing.layout
         vocab = self.engine.model.config.vocab_size
         prompt_lp: Dict[int, Any] = {}
@@ -267,7 +300,7 @@ class EmbeddedServer(WeightEndpoints):
     # ---- control --------------------------------------------------------------------------------------
 
     def _flush_cache(self, body):
-        if self.queue.busy:
+        if not fully_idle(self.queue, self.engine):
             return 400, "Flush cache failed.\n"
         return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                      "waiting requests, the operation will not be performed.)\n")
@@ -302,17 +335,14 @@ class EmbeddedServer(WeightEndpoints):
 
     def _release(self, body):
         tags = self._tags(body)
-        if self.queue.busy and not self.engine.paused:
-            raise request_error("release_memory_occupation should be called only when server is idle.")
+        check_release(self.queue, self.engine)
         self._released |= set(tags)
         self.engine.release_memory()
         return 200, None
 
     def _resume(self, body):
         tags = self._tags(body)
-        missing = [t for t in tags if t not in self._released]
-        if missing:  # SGLang: offload_tags.remove(tag) raises KeyError
-            raise request_error(f"{missing[0]!r}: memory of this tag was not released")
+        check_resume(self._released, tags)
         self._released -= set(tags)
         if not self._released:
             self.engine.resume_memory()
@@ -320,10 +350,10 @@ class EmbeddedServer(WeightEndpoints):
 
     def _pause(self, body):
         mode = body_field(body, "mode", str, "abort")
-        if mode not in ("abort", "retract", "in_place"):
+        if mode not in PAUSE_MODES:
             raise validation_error("mode", "Input should be 'abort', 'retract' or 'in_place'", mode)
         self.queue.pause()
-        self.engine.pause()
+        self.engine.pause("in_place" if mode == "abort" else mode)
         if mode == "abort":
             self.engine.abort(abort_all=True)
             self.queue.abort(None, abort_all=True)
@@ -394,6 +424,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    if server.crashed is not None:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

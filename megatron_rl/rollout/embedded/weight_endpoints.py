@@ -9,6 +9,7 @@ from typing import Any, Tuple
 from megatron_rl.rollout.client import wire
 from megatron_rl.rollout.embedded import guards
 from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
+from megatron_rl.rollout.embedded.scheduler_rules import fully_idle
 from megatron_rl.rollout.embedded.http_handler import HTTPError, body_field, validation_error, weights_error
 from megatron_rl.weights import group as weight_group
 
@@ -48,7 +49,7 @@ class WeightEndpoints:
         except WeightUpdateError as e:
             raise weights_error(f"Failed to update parameter online: {e}") from None
         message = "Succeeded to update parameter online."
-        if body_field(body, "flush_cache", bool, True) and self.queue.busy:
+        if body_field(body, "flush_cache", bool, True) and not fully_idle(self.queue, self.engine):
             raise weights_error("Weights were updated, but the cache was not flushed because requests are still "
                                  "running or queued. Retract or finish them, then call /flush_cache.")
         if version is not None:
