@@ -94,6 +94,7 @@ class SyncStats:
     check: Optional[ProbeCheck] = None
     link_bytes: List[int] = field(default_factory=list)  # per trainer rank (group rank): bytes it sent
     link_seconds: List[float] = field(default_factory=list)  # per trainer rank: from its start to its last byte
+    transaction: Any = None  # a weights.transaction.TransactionReport (TransactionalSync): per engine, per phase
 
     @property
     def max_bucket_bytes(self) -> int:
