@@ -1,7 +1,8 @@
 """A bucket's checksum: what the sender computed, the receiving server recomputes and refuses the bucket on a
 mismatch (before loading any of it).
 
-Two integers over the bucket's bytes in announce order (the ``flattened_bucket`` layout), read as int16 words
+Two integers over the bucket's bytes, its tensors in name order (a safetensors file comes back in its own order),
+read as int16 words
 ``w_i``: ``sum(w_i)`` and ``sum(w_i * (1 + i % 65521))``. Integer sums are exact, so the result does not depend on
 the device or the reduction order (a float64 sum on a GPU and on the receiver's CPU would differ in the last bits
 and need a tolerance); the weighted sum catches moved bytes, not only changed ones. Computed where the bucket is
@@ -38,8 +39,8 @@ def bytes_checksum(flat: torch.Tensor) -> List[int]:
 
 
 def bucket_checksum(bucket: Sequence[Tuple[str, torch.Tensor]]) -> List[int]:
-    """The checksum of a bucket's tensors in order (as :func:`megatron_rl.weights.group.flatten` lays them out)."""
-    return bytes_checksum(flatten(bucket))
+    """The checksum of a bucket's tensors, laid out in name order as :func:`megatron_rl.weights.group.flatten` does."""
+    return bytes_checksum(flatten(sorted(bucket, key=lambda item: item[0])))
 
 
 def verify(bucket: Sequence[Tuple[str, torch.Tensor]], expected) -> None:

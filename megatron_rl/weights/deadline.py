@@ -1,7 +1,8 @@
 """Deadlines for a weight sync: one budget for the whole transaction, every HTTP call and collective of it bounded
 by what is left, and a watchdog that aborts a stuck process group instead of waiting on it.
 
-``rollout.weight_sync.timeout_s`` (None: :func:`default_timeout_s`) is the budget. A blocking collective cannot be
+``rollout.weight_sync.timeout_s`` (None: :func:`default_timeout_s`) is the budget; one HTTP call gets at most a quarter of it (``Deadline.call_bound``), so an engine that stops answering
+is failed while the others still have time to finish. A blocking collective cannot be
 interrupted from Python, so :class:`Watchdog` runs beside it: when the deadline passes first, it calls ``abort``
 (destroying the weight group, or ``ProcessGroup.abort`` where the backend has it), which makes the blocked call
 raise; the sync then fails as a transaction (``sync/aborted``) instead of hanging.
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 FLOOR_S = 120.0  # no sync deadline below this: process start-up noise, a cold first bucket, the probe forward
 ASSUMED_GB_PER_S = 1.0  # a link not measured yet: slower than any real NIC or PCIe path, so the deadline is generous
 SLACK = 10.0  # the deadline allows this many times the transfer time the link's rate predicts
+CALL_SHARE = 0.25  # one HTTP call may take this share of the deadline: a stuck engine leaves the others time to finish
 
 
 class SyncTimeout(TimeoutError):
@@ -51,6 +53,11 @@ class Deadline:
     def bound(self, timeout_s: Optional[float] = None) -> float:
         left = max(self.remaining(), self.min_s)
         return left if timeout_s is None else min(float(timeout_s), left)
+
+    def call_bound(self, timeout_s: Optional[float] = None) -> float:
+        """One call's timeout: :meth:`bound`, and at most ``CALL_SHARE`` of the whole deadline (a bucket is at most
+        the model, whose transfer the default deadline allows ``SLACK`` times over)."""
+        return self.bound(min(self.seconds * CALL_SHARE, float("inf") if timeout_s is None else float(timeout_s)))
 
     def check(self, phase: str) -> None:
         if self.expired:

@@ -37,7 +37,7 @@ class TransactionalUpdates:
 
     def _bounded(self, i: int, deadline: Deadline):
         client = copy.copy(self.clients[i])  # same server and settings; its own timeout
-        client.timeout_s = deadline.bound(self.clients[i].timeout_s)
+        client.timeout_s = deadline.call_bound(self.clients[i].timeout_s)
         return client
 
     def _on_alive(self, txn: SyncTransaction, phase: str, fn: Callable, indices: Optional[List[int]] = None
@@ -53,10 +53,11 @@ class TransactionalUpdates:
         out = {}
         for i, f in futures.items():
             try:
-                out[i] = f.result(timeout=max(txn.deadline.remaining(), 0.0) + 1.0)
+                out[i] = f.result(timeout=txn.deadline.call_bound() + 1.0)  # the call's own timeout ends it first
             except concurrent.futures.TimeoutError:
-                txn.fail(i, phase, SyncTimeout(f"no answer within the sync's deadline of {txn.deadline.seconds:.1f} s "
-                                               "(rollout.weight_sync.timeout_s)"))
+                txn.fail(i, phase, SyncTimeout(f"no answer within {txn.deadline.call_bound():.1f} s (a share of the "
+                                               f"sync's deadline, {txn.deadline.seconds:.1f} s: "
+                                               "rollout.weight_sync.timeout_s)"))
             except Exception as e:  # noqa: BLE001 - this engine's failure, not the transaction's
                 txn.fail(i, phase, e)
         return out
