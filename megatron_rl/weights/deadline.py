@@ -27,6 +27,10 @@ class SyncTimeout(TimeoutError):
     """A weight sync ran past its deadline (``rollout.weight_sync.timeout_s``)."""
 
 
+class TrainerStalled(SyncTimeout):
+    """A trainer rank did not send its weights by the deadline: the trainer's process group is unusable."""
+
+
 def default_timeout_s(total_bytes: int, gb_per_s: Optional[float] = None) -> float:
     """``max(120 s, 10 x bytes / rate)``: ``gb_per_s`` is the link's measured rate (the last sync's), else 1 GB/s."""
     rate = gb_per_s if gb_per_s is not None and gb_per_s > 0 else ASSUMED_GB_PER_S

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models.weights import iter_hf_weights
-from megatron_rl.weights.deadline import default_timeout_s
+from megatron_rl.weights.deadline import TrainerStalled, default_timeout_s
 from megatron_rl.weights.probe import ProbeCheck, WeightMismatchError, compare_logprobs, trainer_probe_logprobs
 from megatron_rl.weights.sync import SyncStats, WeightSync
 from megatron_rl.weights.transaction import SyncTransaction, failures_text
@@ -85,11 +85,26 @@ class TransactionalSync(WeightSync):
                     link = (stats.bytes, time.perf_counter() - start)
             if self.is_sender:
                 self._txn.raise_if_none_alive("stage")
+        except TrainerStalled:
+            # the stalled rank cannot join an agreement: abort the trainer's group (NCCL: its communicator; gloo
+            # already closed the pair whose receive timed out) so no rank waits on it, and fail now, in the deadline.
+            # Not destroy_process_group(None): that would also tear down the weight group this rank hosts.
+            log.error("weight sync v%s: a trainer rank stalled; aborting the trainer's process group", version)
+            group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            try:
+                group.abort()
+            except Exception as e:  # noqa: BLE001 - the error below is what matters
+                log.warning("aborting the trainer's process group: %s", e)
+            raise
         except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
             error = e
         if self.is_sender and stats is not None:
             stats.transfer_seconds = time.perf_counter() - start
         return self._agree(error, stats, link)
+
+    def _stream_deadline(self):
+        """The sender's receives of the peers' pieces end at the transaction's deadline (a stalled trainer rank)."""
+        return self._txn.deadline if self._txn is not None else None
 
     def _send(self, source, version: str) -> SyncStats:
         """The sender's buckets go through ``engine.stage_weights`` (per-engine failures) instead of

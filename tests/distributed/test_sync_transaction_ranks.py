@@ -1,7 +1,8 @@
 """``TransactionalSync`` on two trainer ranks (TP=2, gloo) against real embedded servers: every rank gets the same
 per-engine report; an engine down during the sync fails at stage while the other commits; when none commits, every
 rank raises one error naming engine, phase and cause; a server SIGSTOPped in the middle of a distributed (gloo)
-broadcast ends the sync within its deadline, the broadcast aborted, on both ranks."""
+broadcast ends the sync within its deadline, the broadcast aborted, on both ranks; a trainer rank stalled inside the
+sync: the sender fails at the deadline naming it (the trainer's group is ended), the stalled rank fails when it wakes."""
 
 from __future__ import annotations
 
@@ -87,11 +88,22 @@ def _child(path):
             out["stopped"] = None
         except Exception as e:  # noqa: BLE001
             out["stopped"] = (type(e).__name__, str(e), time.monotonic() - start)
+        # last (it ends the trainer's group): rank 1 stalls inside the sync, before sending its pieces
+        if not sender:
+            from megatron_rl.weights import links
+
+            send = links.send_pieces
+            links.send_pieces = lambda *a, **k: (time.sleep(DEADLINE_S + 4.0), send(*a, **k))[1]
+        if sender:
+            servers[1:] = [EmbeddedServer(EmbeddedEngine.from_pretrained(path)).start()]
+            engine.clients[1] = engine.clients[1].with_url(servers[1].url)
+        dist.barrier()
+        out["trainer_stalled"] = attempt("s1")
     finally:
         if proc is not None:
             os.kill(proc.proc.pid, signal.SIGCONT)
             proc.stop()
-        for s in servers[:1]:
+        for s in servers[1:]:
             s.stop()
     return out
 
@@ -100,7 +112,7 @@ def _child(path):
 def test_transactional_sync_per_engine_outcomes_on_every_rank(tmp_path):
     path = tiny_hf_checkpoint(str(tmp_path / "qwen3"), "qwen3")
     r0, r1 = run_distributed(_child, 2, path, timeout_s=280)
-    for k in ("clean", "one_down", "none", "stopped"):
+    for k in ("clean", "one_down", "none", "stopped", "trainer_stalled"):
         print(f"\n{k}: rank 0 {r0[k]}\n   rank 1 {r1[k]}")
     for r in (r0, r1):
         kind, committed, failures, diff, metrics, _ = r["clean"]
@@ -122,3 +134,7 @@ def test_transactional_sync_per_engine_outcomes_on_every_rank(tmp_path):
     assert "ran past the deadline of 6.0 s" in message
     assert seconds < DEADLINE_S + 3.0, seconds
     assert r1["stopped"] is not None and r1["stopped"][2] < DEADLINE_S + 3.0
+    kind, name, message, seconds = r0["trainer_stalled"]
+    assert (kind, name) == ("error", "TrainerStalled") and "trainer rank 1 did not send its piece" in message
+    assert DEADLINE_S - 0.5 < seconds < DEADLINE_S + 2.0, seconds  # at the deadline, not when rank 1 wakes
+    assert r1["trainer_stalled"][0] == "error" and r1["trainer_stalled"][3] < DEADLINE_S + 4.0 + 5.0
