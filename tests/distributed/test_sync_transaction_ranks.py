@@ -74,13 +74,17 @@ def _child(path):
             proc = launch_embedded_server(path, os.path.join(path, "server.log"))
             remote = RemoteEngine([SGLangClient(proc.url, retry=fast)], weight_transport="distributed")
             remote.init_weight_sync("127.0.0.1", 0, backend="gloo", timeout_s=60)
+        dsync = TransactionalSync(built, remote if sender else None, cfg)
+        stats = dsync.sync("d0")  # a clean broadcast: each bucket's checksum verified by the server
+        out["distributed"] = (stats.transaction.committed, stats.check.max_abs_diff,
+                              remote.clients[0].get_weight_version() if sender else None)
+        if sender:
             announce = remote.clients[0].update_weights_from_distributed
 
             def stop_then_announce(*args, **kwargs):
                 os.kill(proc.proc.pid, signal.SIGSTOP)
                 return announce(*args, **kwargs)
             remote.clients[0].update_weights_from_distributed = stop_then_announce
-        dsync = TransactionalSync(built, remote if sender else None, cfg)
         dist.barrier()  # rank 1's clock starts with rank 0's sync, not during the server's start-up
         start = time.monotonic()
         try:
@@ -112,7 +116,7 @@ def _child(path):
 def test_transactional_sync_per_engine_outcomes_on_every_rank(tmp_path):
     path = tiny_hf_checkpoint(str(tmp_path / "qwen3"), "qwen3")
     r0, r1 = run_distributed(_child, 2, path, timeout_s=280)
-    for k in ("clean", "one_down", "none", "stopped", "trainer_stalled"):
+    for k in ("clean", "one_down", "none", "distributed", "stopped", "trainer_stalled"):
         print(f"\n{k}: rank 0 {r0[k]}\n   rank 1 {r1[k]}")
     for r in (r0, r1):
         kind, committed, failures, diff, metrics, _ = r["clean"]
@@ -128,6 +132,8 @@ def test_transactional_sync_per_engine_outcomes_on_every_rank(tmp_path):
     assert (kind, name) == ("error", "TransactionError") and seconds < DEADLINE_S
     assert "no engine committed" in message and "engine 0 (http://" in message and "failed at stage" in message
     assert r1["none"][1] == "WeightSyncError" and "TransactionError" in r1["none"][2]
+    assert r0["distributed"][0] == [0] and r0["distributed"][1] <= ATOL and r0["distributed"][2] == "d0"
+    assert r1["distributed"][0] == [0]
     name, message, seconds = r0["stopped"]
     # the patched announce keeps the client's own (long) timeout: the sync deadline itself ends the broadcast
     assert name == "TransactionError" and "engine 0 (http://" in message and "failed at stage" in message, message
