@@ -1,7 +1,7 @@
 """Deadlines for a weight sync: one budget for the whole transaction, every HTTP call and collective of it bounded
 by what is left, and a watchdog that aborts a stuck process group instead of waiting on it.
 
-``rollout.weight_sync.timeout_s`` (None: :func:`default_timeout_s`) is the budget; one HTTP call gets at most a quarter of it (``Deadline.call_bound``), so an engine that stops answering
+``rollout.weights.sync.timeout_s`` (None: :func:`default_timeout_s`) is the budget; one HTTP call gets at most a quarter of it (``Deadline.call_bound``), so an engine that stops answering
 is failed while the others still have time to finish. A blocking collective cannot be
 interrupted from Python, so :class:`Watchdog` runs beside it: when the deadline passes first, it calls ``abort``
 (destroying the weight group, or ``ProcessGroup.abort`` where the backend has it), which makes the blocked call
@@ -24,7 +24,7 @@ CALL_SHARE = 0.25  # one HTTP call may take this share of the deadline: a stuck 
 
 
 class SyncTimeout(TimeoutError):
-    """A weight sync ran past its deadline (``rollout.weight_sync.timeout_s``)."""
+    """A weight sync ran past its deadline (``rollout.weights.sync.timeout_s``)."""
 
 
 class TrainerStalled(SyncTimeout):
@@ -66,7 +66,7 @@ class Deadline:
     def check(self, phase: str) -> None:
         if self.expired:
             raise SyncTimeout(f"{self.what}: the {phase} phase ran past the deadline of {self.seconds:.1f} s "
-                              "(rollout.weight_sync.timeout_s)")
+                              "(rollout.weights.sync.timeout_s)")
 
 
 class Watchdog:

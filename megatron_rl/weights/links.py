@@ -197,7 +197,7 @@ def _wait(work, deadline, rank: int, name: str) -> None:
         if not deadline.expired:
             raise
         raise TrainerStalled(f"{deadline.what}: trainer rank {rank} did not send its piece of {name} within the deadline "
-                          f"of {deadline.seconds:.1f} s (rollout.weight_sync.timeout_s): a stalled trainer rank; the "
+                          f"of {deadline.seconds:.1f} s (rollout.weights.sync.timeout_s): a stalled trainer rank; the "
                           f"trainer's process group is unusable after this ({e})") from None
 
 

@@ -57,7 +57,7 @@ class TransactionalUpdates:
             except concurrent.futures.TimeoutError:
                 txn.fail(i, phase, SyncTimeout(f"no answer within {txn.deadline.call_bound():.1f} s (a share of the "
                                                f"sync's deadline, {txn.deadline.seconds:.1f} s: "
-                                               "rollout.weight_sync.timeout_s)"))
+                                               "rollout.weights.sync.timeout_s)"))
             except Exception as e:  # noqa: BLE001 - this engine's failure, not the transaction's
                 txn.fail(i, phase, e)
         return out
@@ -95,7 +95,7 @@ class TransactionalUpdates:
         if txn.deadline.expired:
             for i in txn.alive():
                 txn.fail(i, "stage", SyncTimeout(f"the deadline of {txn.deadline.seconds:.1f} s passed before every "
-                                                 "bucket was sent (rollout.weight_sync.timeout_s)"))
+                                                 "bucket was sent (rollout.weights.sync.timeout_s)"))
             return lambda: None
         checksum = bucket_checksum(bucket)
         if self.weight_transport == "tensor":
