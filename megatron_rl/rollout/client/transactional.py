@@ -75,17 +75,26 @@ class TransactionalUpdates:
                     txn.fail(i, "stage", "the weight group is not built (init_weight_sync first)")
             if self.pause_mode is not None:
                 self._on_alive(txn, "stage", lambda c: c.pause_generation(self.pause_mode))
+            # whether each server verifies checksums: asked once per client, kept on it (the per-call copies inherit it)
+            for i, takes in self._on_alive(txn, "stage", lambda c: c.takes_checksums).items():
+                self.clients[i]._takes_checksums = takes
             self._on_alive(txn, "stage", lambda c: c.begin_weight_update())
             pending = None
-            for bucket in named_tensor_buckets:
-                bucket = list(bucket)
+            try:
+                for bucket in named_tensor_buckets:
+                    bucket = list(bucket)
+                    if pending is not None:
+                        pending()
+                        pending = None
+                    if txn.alive():
+                        pending = self._stage_bucket(bucket, txn)
                 if pending is not None:
                     pending()
-                    pending = None
-                if txn.alive():
-                    pending = self._stage_bucket(bucket, txn)
-            if pending is not None:
-                pending()
+            except BaseException:  # the trainer's side failed: close the sessions, resume generation, re-raise
+                self._on_alive(txn, "stage", lambda c: c.end_weight_update())
+                if self.pause_mode is not None:
+                    self._on_alive(txn, "stage", lambda c: c.continue_generation())
+                raise
             self._on_alive(txn, "stage", lambda c: c.end_weight_update())
             self._on_alive(txn, "stage", self._flush)
             if self.pause_mode is not None:
