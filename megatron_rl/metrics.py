@@ -95,7 +95,9 @@ def _truncate_jsonl(path: str, keep_through: int) -> Optional[int]:
 
 
 # metrics that measure wall-clock time (and rates from it): they differ between otherwise identical runs
-WALL_CLOCK = ("time/", "perf/", "sync/seconds", "sync/link")
+WALL_CLOCK = ("time/", "perf/", "sync/seconds", "sync/link", "sync/phase_seconds/")
+# what engine recovery and the weight-sync transaction count: differs between a run with failures and one without
+RECOVERY_COUNTERS = ("engine/", "sync/engines_", "sync/aborted")
 
 
 def read_metrics(output_dir: str):

@@ -113,6 +113,9 @@ class WeightSyncConfig:
     progress: bool = True  # tqdm bar on the sender (bytes sent)
     replay_routing: bool = False  # MoE: the trainer's probe forward replays each engine's routing of the probe
     per_rank: bool = True  # every rank sends the pieces it owns to the sender (weight_links.py); False: all-gather
+    # the whole sync's deadline (stage + verify + commit; every HTTP call of it bounded by what is left); None:
+    # max(120 s, 10 x model bytes / the link's last measured rate, 1 GB/s before one is measured) (weights/deadline.py)
+    timeout_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
@@ -122,6 +125,10 @@ class WeightSyncConfig:
             if tol is not None and not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
                 raise ValueError(f"weight_sync.{name}={tol!r}: expected a finite number > 0 (or unset: chosen by "
                                  "the engine's dtype)")
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and
+                                               math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"weight_sync.timeout_s={self.timeout_s!r}: expected seconds > 0 (or unset: derived from "
+                             "the model's bytes and the link's rate, at least 120 s)")
         if not isinstance(self.probe_length, int) or self.probe_length < 2:
             raise ValueError(f"weight_sync.probe_length={self.probe_length!r}: expected an integer >= 2 tokens")
         if self.engine_dtype is not None:

@@ -205,6 +205,11 @@ class EngineMonitor:
         if self.error is not None:
             raise self.error
 
+    def fail_engine(self, i: int, reason: str) -> None:
+        """Engine ``i`` failed a step of a weight-sync transaction (its weights may be partial): out of rotation now,
+        restarted and re-admitted only after its own verified sync."""
+        self._mark_down(i, reason)
+
     def recover_all(self) -> int:
         """Check every engine now (exit status and ``/health``), recover the broken ones and wait until all are
         back; returns how many were out. For a phase that failed (a weight sync): 0 means the engines are not

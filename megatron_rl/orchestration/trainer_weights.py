@@ -16,6 +16,7 @@ from megatron_rl.rollout.client.http_client import SGLangClient
 from megatron_rl.rollout.client.ipc_transport import IpcTransport
 from megatron_rl.routing.align import expert_layout
 from megatron_rl.weights.sync import WeightSync, WeightSyncError
+from megatron_rl.weights.transactional_sync import TransactionalSync, supports_transactions
 
 
 class TrainerWeights:
@@ -40,7 +41,8 @@ class TrainerWeights:
                        for u in urls]
             self.engine = RemoteEngine(clients, policy=policy, weight_transport=transport, pause_mode=pause_mode)
             self._init_weight_group(self.engine)
-        self.sync = WeightSync(self.trainer.built, self.engine, self.spec.weight_sync, transport=self._ipc)
+        kind = TransactionalSync if supports_transactions(transport) else WeightSync  # stage/verify/commit per engine
+        self.sync = kind(self.trainer.built, self.engine, self.spec.weight_sync, transport=self._ipc)
         if self.rank == 0:
             self.sync.progress = self.reporter
 

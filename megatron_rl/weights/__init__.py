@@ -8,4 +8,8 @@
   probe.py           the post-sync check: one probe sequence's log-probs, trainer vs engine
   (config)           WeightSyncConfig, the run config's weight_sync section, is megatron_rl/config/rollout.py's
   sync.py            WeightSync: Megatron shards -> engine in size-bounded HF-named buckets, then the probe
+  transaction.py     one sync as a stage -> verify -> commit transaction over the engines (per-engine outcome)
+  transactional_sync.py  TransactionalSync: WeightSync driving that transaction (RemoteEngine transports)
+  deadline.py        the sync's deadline, per-call bounds, the watchdog that aborts a stuck group
+  checksum.py        a bucket's exact integer checksum, verified by the receiving server
 """

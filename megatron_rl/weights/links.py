@@ -22,6 +22,7 @@ peers then only ``send``. The sender posts every receive even after an error, so
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_rl.models import mapping
 from megatron_rl.models.shards import Piece, owned_pieces
+from megatron_rl.weights.deadline import TrainerStalled
 
 
 @dataclass
@@ -151,10 +153,11 @@ def receive_into(built, plan: Plan, me: int, group, target, max_scratch: int) ->
         raise errors[0]
 
 
-def assemble_stream(built, plan: Plan, me: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
+def assemble_stream(built, plan: Plan, me: int, group, deadline=None) -> Iterator[Tuple[str, torch.Tensor]]:
     """The sender's part for an engine that takes full HF tensors: ``(name, tensor)`` in export order, each
     assembled from its owners' pieces (a tensor the sender owns whole is yielded as is, maybe a view of the
-    parameter). Must be consumed to the end: the peers are sending."""
+    parameter). Must be consumed to the end: the peers are sending. ``deadline`` (a ``weights.deadline.Deadline``):
+    a peer's piece not received by then raises ``SyncTimeout`` naming that rank (a stalled trainer rank)."""
     own = owned_pieces(built)
     queues = [deque(ps) for ps in plan.pieces]
     present = {p.name for ps in plan.pieces for p in ps}
@@ -176,11 +179,26 @@ def assemble_stream(built, plan: Plan, me: int, group) -> Iterator[Tuple[str, to
                     continue
                 buf = view if view.is_contiguous() else torch.empty(piece.piece_shape, dtype=plan.dtype, device=device)
                 works.append((dist.irecv(buf, src=plan.ranks[r], group=group), view, buf))
-            for work, view, buf in works:
-                work.wait()
+            for (work, view, buf), (r, _) in zip(works, [p for p in parts if p[0] != me]):
+                _wait(work, deadline, plan.ranks[r], name)
                 if buf is not view:
                     view.copy_(buf)
             yield name, out
+
+
+def _wait(work, deadline, rank: int, name: str) -> None:
+    """``work.wait()``, bounded by ``deadline`` (gloo and NCCL both end a wait that times out with an error)."""
+    if deadline is None:
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=deadline.bound()))
+    except RuntimeError as e:
+        if not deadline.expired:
+            raise
+        raise TrainerStalled(f"{deadline.what}: trainer rank {rank} did not send its piece of {name} within the deadline "
+                          f"of {deadline.seconds:.1f} s (rollout.weights.sync.timeout_s): a stalled trainer rank; the "
+                          f"trainer's process group is unusable after this ({e})") from None
 
 
 def _device(built) -> torch.device:

@@ -94,6 +94,7 @@ class SyncStats:
     check: Optional[ProbeCheck] = None
     link_bytes: List[int] = field(default_factory=list)  # per trainer rank (group rank): bytes it sent
     link_seconds: List[float] = field(default_factory=list)  # per trainer rank: from its start to its last byte
+    transaction: Any = None  # a weights.transaction.TransactionReport (TransactionalSync): per engine, per phase
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -297,7 +298,8 @@ class WeightSync:
                           if plan.pieces[me] else (0, 0.0))
         start = time.perf_counter()
         if not plan.direct:
-            stats = self._send(weight_links.assemble_stream(self.built, plan, me, self.group), version)
+            stats = self._send(weight_links.assemble_stream(self.built, plan, me, self.group,
+                                                           deadline=self._stream_deadline()), version)
             return stats, (plan.link_bytes(me), time.perf_counter() - start)
         error: Optional[BaseException] = None
         with contextlib.ExitStack() as stack:
@@ -340,6 +342,9 @@ class WeightSync:
                          bytes=sum(meter.bucket_bytes), buckets=len(meter.bucket_bytes),
                          tensors=sum(meter.bucket_tensors), dtype=dtype_name(self.dtype),
                          bucket_bytes=meter.bucket_bytes, bucket_tensors=meter.bucket_tensors)
+
+    def _stream_deadline(self):
+        return None  # TransactionalSync: the transaction's deadline
 
     def check(self, what: str = "") -> ProbeCheck:
         """Compare every engine replica's log-probs of the probe with the trainer's (collective). Also

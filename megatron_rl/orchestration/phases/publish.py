@@ -13,6 +13,7 @@ from megatron_rl.metrics import PhaseTimer
 from megatron_rl.orchestration import hooks
 from megatron_rl.orchestration.colocation import Colocation
 from megatron_rl.orchestration.engine_health import EngineMonitor, EngineRecoveryError
+from megatron_rl.orchestration.sync_failures import handle_failed_engines
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class WeightPublisher:
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff
             out["sync/probe_mean_abs_diff"] = stats.check.mean_abs_diff
+        out.update(handle_failed_engines(stats, self.monitor))  # sync/phase_seconds/..., sync/engines_..., sync/aborted
         return {**out, **memory}
 
     def _sync(self, version: int):

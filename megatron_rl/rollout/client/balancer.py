@@ -48,6 +48,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
+from megatron_rl.rollout.client.transactional import TransactionalUpdates
 from megatron_rl.rollout.client.weight_group_host import WeightGroupHost
 from megatron_rl.weights import group as weight_group
 from megatron_rl.rollout.client.http_client import RequestRejected, SGLangClient, ServerUnavailableError
@@ -61,7 +62,7 @@ PAUSE_MODES = (None, "retract", "in_place")
 TRANSPORTS = ("tensor", "distributed", "ipc")
 
 
-class RemoteEngine(WeightGroupHost, RolloutEngine):
+class RemoteEngine(TransactionalUpdates, WeightGroupHost, RolloutEngine):
     def __init__(self, clients: Sequence[SGLangClient], policy: str = "least_outstanding",
                  weight_transport: str = "tensor", max_concurrency: int = 64, max_resends: int = 3,
                  pause_mode: Optional[str] = None):

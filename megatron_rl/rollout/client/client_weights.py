@@ -37,7 +37,15 @@ class WeightCalls:
     def end_weight_update(self) -> None:
         self._expect_success(self.request("POST", "/end_weight_update", {}))
 
-    def update_weights_from_tensor(self, buckets: Iterable[Sequence[Tuple[str, torch.Tensor]]]) -> None:
+    @property
+    def takes_checksums(self) -> bool:
+        """Whether the server verifies a bucket's ``checksum`` (the embedded server; SGLang has no such field)."""
+        if getattr(self, "_takes_checksums", None) is None:
+            self._takes_checksums = bool(self.server_info().get("weight_checksum", False))
+        return self._takes_checksums
+
+    def update_weights_from_tensor(self, buckets: Iterable[Sequence[Tuple[str, torch.Tensor]]],
+                                   checksums: Optional[Sequence[List[int]]] = None) -> None:
         """The embedded server's own formats (``wire.py``): one call per bucket, streamed (buckets may be a
         generator), inside a session the caller opened. Rejected buckets raise ``RequestRejected`` naming the
         bad tensors.
@@ -45,19 +53,20 @@ class WeightCalls:
         A server on this machine (``shared_files``, see ``__init__``) is sent the path of a safetensors file
         in shared memory instead of the bytes: base64 + JSON both ways cost ~20 ms per MiB on a CPU core,
         the file ~1 ms. If the server cannot read the file, this and every later bucket go as bytes."""
-        for bucket in buckets:
+        for k, bucket in enumerate(buckets):
             bucket = list(bucket)
-            if self.shared_files and self._send_bucket_file(bucket):
+            extra = {} if checksums is None or not self.takes_checksums else {"checksum": list(checksums[k])}
+            if self.shared_files and self._send_bucket_file(bucket, extra):
                 continue
             self._expect_success(self.request("POST", "/update_weights_from_tensor", dict(
                 serialized_named_tensors=[wire.encode_bucket(bucket)], load_format="safetensors",
-                flush_cache=False)))
+                flush_cache=False, **extra)))
 
     def update_weights_from_payloads(self, payloads: List[str], load_format: Optional[str] = None) -> None:
         """SGLang's own format: one ``tensor_payload`` payload per server TP rank (colocated placement)."""
         self._expect_success(self.request("POST", "/update_weights_from_tensor", request_body(payloads, load_format)))
 
-    def _send_bucket_file(self, bucket: Sequence[Tuple[str, torch.Tensor]]) -> bool:
+    def _send_bucket_file(self, bucket: Sequence[Tuple[str, torch.Tensor]], extra: Optional[dict] = None) -> bool:
         """Post ``bucket`` as a shared-memory file; False (bytes from now on) if the server cannot read it."""
 
         # the writer's pid in the name: a file this rank leaves when killed is found and removed (weight_files.py)
@@ -66,7 +75,7 @@ class WeightCalls:
         try:
             wire.write_bucket_file(bucket, path)
             self._expect_success(self.request("POST", "/update_weights_from_tensor", dict(
-                serialized_named_tensors=[path], load_format="safetensors_file", flush_cache=False)))
+                serialized_named_tensors=[path], load_format="safetensors_file", flush_cache=False, **(extra or {}))))
             return True
         except RequestRejected as e:
             if "cannot decode" not in str(e) and "not a weight file" not in str(e):
@@ -88,12 +97,14 @@ class WeightCalls:
 
     def update_weights_from_distributed(self, bucket: Sequence[Tuple[str, torch.Tensor]],
                                         group_name: str = "weight_update_group",
-                                        load_format: Optional[str] = None) -> None:
+                                        load_format: Optional[str] = None, checksum: Optional[List[int]] = None) -> None:
         """Announce a bucket; the caller broadcasts it on the group concurrently (this call returns once the
         server has received and loaded it). Inside a session; the cache is flushed once per sync, not here."""
         body = dict(weight_group.bucket_metadata(bucket), group_name=group_name, flush_cache=False)
         if load_format is not None:
             body["load_format"] = load_format
+        if checksum is not None and self.takes_checksums:
+            body["checksum"] = list(checksum)
         self._expect_success(self.request("POST", "/update_weights_from_distributed", body, idempotent=False))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:

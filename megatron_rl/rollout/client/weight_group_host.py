@@ -87,11 +87,15 @@ class WeightGroupHost:
         weight_group.destroy_weight_group(self._group)
         self._group = None
 
-    def _finish_broadcast(self, announces: List[Future], works: List) -> None:
-        """Wait for a bucket's broadcast; a refused announce aborts the wait (module doc)."""
+    def _finish_broadcast(self, announces: List[Future], works: List, deadline=None, clients=None) -> None:
+        """Wait for a bucket's broadcast; a refused announce aborts the wait (module doc); so does ``deadline``
+        (a :class:`~megatron_rl.weights.deadline.Deadline`: ``SyncTimeout``). ``clients``: whom ``announces`` went to."""
+        clients = self.clients if clients is None else clients
         pause = 5e-5
         while not all(w.is_completed() for w in works):
-            refused = [(c, f) for c, f in zip(self.clients, announces) if f.done() and f.exception() is not None]
+            if deadline is not None:
+                deadline.check("stage (broadcast)")
+            refused = [(c, f) for c, f in zip(clients, announces) if f.done() and f.exception() is not None]
             if refused:
                 client, future = refused[0]
                 self._group = None  # the pending broadcast can never complete: the group is unusable
@@ -104,4 +108,4 @@ class WeightGroupHost:
         for w in works:
             w.wait()
         for f in announces:
-            f.result()
+            f.result(timeout=None if deadline is None else max(deadline.remaining(), 0.0))

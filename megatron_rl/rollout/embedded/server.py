@@ -241,7 +241,8 @@ class EmbeddedServer(WeightEndpoints):
                      "sampling_mask_max_tokens": self.engine.config.sampling_mask_max_tokens,
                      "context_length": self.engine.max_context, "random_seed": self.engine.config.seed,
                      "enable_memory_saver": True, "skip_tokenizer_init": True,
-                     "version": SGLANG_VERSION, "engine": "embedded"}  # "engine": this server's extension
+                     "version": SGLANG_VERSION, "engine": "embedded",  # "engine", "weight_checksum": extensions
+                     "weight_checksum": True}
 
     # ---- generation ---------------------------------------------------------------------------------
 

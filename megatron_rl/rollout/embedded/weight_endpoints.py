@@ -11,6 +11,7 @@ from megatron_rl.rollout.embedded import guards
 from megatron_rl.rollout.embedded.hf_weights import WeightUpdateError
 from megatron_rl.rollout.embedded.scheduler_rules import fully_idle
 from megatron_rl.rollout.embedded.http_handler import HTTPError, body_field, validation_error, weights_error
+from megatron_rl.weights import checksum as weight_checksum
 from megatron_rl.weights import group as weight_group
 
 
@@ -83,7 +84,20 @@ class WeightEndpoints:
                 raise
             except Exception as e:  # noqa: BLE001 - any decode failure is the client's payload
                 raise weights_error(f"cannot decode serialized_named_tensors: {type(e).__name__}: {e}") from None
+            self._verify_checksum(buckets, body)
             return self._apply(buckets, body)
+
+    def _verify_checksum(self, buckets, body) -> None:
+        """Refuse (nothing loaded) a bucket whose bytes are not what the sender checksummed (extension field)."""
+        expected = body.get("checksum") if isinstance(body, dict) else None
+        if expected is None:
+            return
+        if len(buckets) != 1:
+            raise validation_error("checksum", f"one checksum covers one bucket; this request has {len(buckets)}")
+        try:
+            weight_checksum.verify(buckets[0], expected)
+        except ValueError as e:
+            raise weights_error(f"Failed to update parameter online: {e}") from None
 
     def _require_weights_resident(self) -> None:
         """SGLang would write into released (unmapped) weight memory -- a crash, not an answer; this double
@@ -137,6 +151,7 @@ class WeightEndpoints:
                 bucket = weight_group.receive_bucket(self._groups[name], names, dtypes, shapes, load_format=fmt)
             except Exception as e:  # noqa: BLE001
                 raise weights_error(f"Failed to receive weights: {e}") from None
+            self._verify_checksum([bucket], body)
             return self._apply([bucket], body)
 
     def _destroy_group(self, body):
