@@ -38,11 +38,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from megatron_rl.metrics import WALL_CLOCK
+from megatron_rl.metrics import RECOVERY_COUNTERS, WALL_CLOCK
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "examples", "tiny_cpu.yaml")
-NOT_COMPARED = (*WALL_CLOCK, "engine/")  # between runs: wall clock, and engine recovery's own counters
+NOT_COMPARED = (*WALL_CLOCK, *RECOVERY_COUNTERS)  # between runs: wall clock, and engine recovery's own counters
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -158,21 +158,7 @@ class EmbeddedEngine(DecodeLoop, RolloutEngine):
 
     def check_request(self, req: GenerateRequest) -> None:
         """Raise ValueError if this engine cannot serve ``req`` (the server answers 400 with it)."""
-        if not isinstance(req, GenerateRequest):
-            raise TypeError(f"generate() takes GenerateRequest objects, got {type(req).__name__}")
-        if req.return_routed_experts and not self.routing.is_moe:
-            raise ValueError("return_routed_experts=True but the model has no sparse-MoE layers")
-        if len(req.prompt_ids) >= self.max_context:
-            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens leaves no room in the context "
-                             f"length {self.max_context}; shorten it")
-        vocab = self.model.config.vocab_size
-        if max(req.prompt_ids) >= vocab:
-            raise ValueError(f"prompt token id {max(req.prompt_ids)} >= vocab_size {vocab}")
-        if self.config.seeds == "deterministic" and req.sampling.min_p > 0 and not req.sampling.greedy:
-            raise SamplerAssertionError(
-                "AssertionError: With sampling seed, multinomial_with_seed will provide wrong results "
-                f"(min_p={req.sampling.min_p} with --enable-deterministic-inference: SGLang 0.5.23's sampler "
-                "asserts here, srt/layers/sampler.py); use min_p=0")
+        check_request(self, req)
 
     def update_weights(self, named_tensor_buckets: Iterable[NamedTensorBucket], version: Any) -> None:
         """Copy every bucket into the model, then set the version. Each bucket is validated whole before
@@ -349,3 +335,22 @@ class EmbeddedEngine(DecodeLoop, RolloutEngine):
         """Tokens generated so far by each sequence of the running batch (progress, for tests and tools)."""
         with self._version_lock:
             return [len(r.tokens) for r in self._live]
+
+
+def check_request(engine: "EmbeddedEngine", req: GenerateRequest) -> None:
+    """Raise ValueError if ``engine`` cannot serve ``req`` (the server answers 400 with it)."""
+    if not isinstance(req, GenerateRequest):
+        raise TypeError(f"generate() takes GenerateRequest objects, got {type(req).__name__}")
+    if req.return_routed_experts and not engine.routing.is_moe:
+        raise ValueError("return_routed_experts=True but the model has no sparse-MoE layers")
+    if len(req.prompt_ids) >= engine.max_context:
+        raise ValueError(f"prompt of {len(req.prompt_ids)} tokens leaves no room in the context "
+                         f"length {engine.max_context}; shorten it")
+    vocab = engine.model.config.vocab_size
+    if max(req.prompt_ids) >= vocab:
+        raise ValueError(f"prompt token id {max(req.prompt_ids)} >= vocab_size {vocab}")
+    if engine.config.seeds == "deterministic" and req.sampling.min_p > 0 and not req.sampling.greedy:
+        raise SamplerAssertionError(
+            "AssertionError: With sampling seed, multinomial_with_seed will provide wrong results "
+            f"(min_p={req.sampling.min_p} with --enable-deterministic-inference: SGLang 0.5.23's sampler "
+            "asserts here, srt/layers/sampler.py); use min_p=0")
