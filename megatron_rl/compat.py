@@ -1,4 +1,4 @@
-"""CPU compatibility layer for Megatron-Core 0.16.1 on a machine without CUDA.
+"""CPU compatibility layer for Megatron-Core 0.16.1 to 0.19.2 on a machine without CUDA (0.17+ only: compat_mcore019).
 
 Megatron-Core assumes a CUDA device in many places (each patch below names the one it works around).
 Every workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the

@@ -37,8 +37,9 @@ if [ "$GPU" = 0 ]; then
   pip install -q "torch==2.13.0"
 fi
 if [ -n "$MCORE" ]; then
-  # before the editable install, which then keeps it (it satisfies setup.py's range)
-  pip install -q --ignore-requires-python "megatron-core==$MCORE"
+  # before the editable install, which keeps it (setup.py's range) and resolves its requirements (torch, numpy,
+  # packaging); --no-deps: --ignore-requires-python would also let pip pick a numpy that needs Python 3.12
+  pip install -q --no-deps --ignore-requires-python "megatron-core==$MCORE"
 fi
 pip install -q -e ".[${EXTRAS}]"
 python -c "import torch, megatron.core, megatron_rl; print('megatron_rl ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
