@@ -44,6 +44,6 @@ fi
 pip install -q -e ".[${EXTRAS}]"
 python -c "import torch, megatron.core, megatron_rl; print('megatron_rl ready: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 if [ -n "$MCORE" ]; then
-  python -c "import sys, megatron.core as m; v = m.__version__; sys.exit(0 if v == '$MCORE' else f'setup_venv: MCORE=$MCORE but megatron-core {v} is installed')"
+  python -c "import sys, megatron.core as m; v = m.__version__; sys.exit(0 if v.split('+')[0] == '$MCORE' else f'setup_venv: MCORE=$MCORE but megatron-core {v} is installed')"
 fi
 echo "$STAMP" > "$STAMP_FILE"
