@@ -14,8 +14,9 @@ setup(
     install_requires=[
         # CPU machines install torch==2.13.0 first (scripts/setup_venv.sh); GPU images bring their own.
         "torch>=2.6",
-        # 0.16.1 is the newest release installable on Python 3.11 and the one the CPU layer is tested with.
-        "megatron-core==0.16.1",
+        # Tested at both ends (scripts/test.sh): 0.16.1, the newest release declaring Python 3.11 support (what pip
+        # picks here), and 0.19.2 (MCORE=0.19.2 scripts/setup_venv.sh). 0.19 deprecates GPTModel for HybridModel.
+        "megatron-core>=0.16.1,<0.20",
         "transformers>=5.0",  # the tiny tokenizer and the embedded engine use transformers 5 classes
         "safetensors>=0.4",
         "datasets>=3.0",

@@ -1,4 +1,4 @@
-"""CPU compatibility layer for Megatron-Core 0.16.1 on a machine without CUDA.
+"""CPU compatibility layer for Megatron-Core 0.16.1 to 0.19.2 on a machine without CUDA (0.17+ only: compat_mcore019).
 
 Megatron-Core assumes a CUDA device in many places (each patch below names the one it works around).
 Every workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
@@ -465,8 +465,8 @@ def _vectorised_thd_rope() -> None:
         last[:] = [cu_seqlens, key, pos]
         return pos
 
-    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
-                                  mscale=1.0, cp_group=None):
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, mscale=1.0, cp_group=None,
+                                  **mla):  # the MLA flag under either version's name (see fused_layer._rope_bshd)
         if cp_group is None:
             raise ValueError("cp_group must be provided for THD format RoPE")
         # int(cu_seqlens[-1]) is a device sync: once per micro-batch (the layers share cu_seqlens), not per call
@@ -478,8 +478,8 @@ def _vectorised_thd_rope() -> None:
                         freqs.size(0))
         # looked up per call: models.fused_layer.install_rope may route it through its compiled copy
         bshd = rope_utils._apply_rotary_pos_emb_bshd
-        return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved,
-                    multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+        return bshd(t.unsqueeze(1), freqs[pos], rotary_interleaved=rotary_interleaved, mscale=mscale,
+                    **mla).squeeze(1)
 
     _apply_rotary_pos_emb_thd._megatron_rl_compat = True
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
@@ -495,3 +495,7 @@ def _mla_without_transformer_engine() -> None:
 
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+
+
+# The patches only newer megatron-core releases need (registered on import, after the ones above).
+from megatron_rl import compat_mcore019 as _compat_mcore019  # noqa: E402,F401

@@ -191,12 +191,14 @@ def _mla_core_attention():
     return MLASDPACoreAttention
 
 
-def local_layer_spec(moe_mlp_spec, dense_mlp_spec, norm, is_moe: bool):
-    """One MLA decoder layer of the portable spec (Megatron's own modules but for core attention and norm)."""
+def local_layer_spec(moe_mlp_spec, dense_mlp_spec, norm, is_moe: bool, q_lora: bool = True):
+    """One MLA decoder layer of the portable spec (Megatron's own modules but for core attention and norm).
+    Without q-LoRA there is no query norm (megatron-core >= 0.19 refuses one given)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -220,7 +222,7 @@ def local_layer_spec(moe_mlp_spec, dense_mlp_spec, norm, is_moe: bool):
                     linear_kv_up_proj=ColumnParallelLinear,
                     core_attention=_mla_core_attention(),
                     linear_proj=RowParallelLinear,
-                    q_layernorm=norm,
+                    q_layernorm=norm if q_lora else IdentityOp,
                     kv_layernorm=norm,
                 ),
             ),

@@ -161,9 +161,10 @@ def install_rope(on: bool) -> None:
     _rope_state["on"] = bool(on)
 
 
-def _rope_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):
+def _rope_bshd(t, freqs, rotary_interleaved=False, mscale=1.0, **mla):
+    # **mla: the MLA-interleave flag passes through under the caller's name (megatron-core 0.16
+    # `multi_latent_attention`, >= 0.19 `mla_rotary_interleaved`)
     fn = _rope_state["eager"]
     if _rope_state["on"]:
         fn = compiled(fn)
-    return fn(t, freqs, rotary_interleaved=rotary_interleaved, multi_latent_attention=multi_latent_attention,
-              mscale=mscale)
+    return fn(t, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale, **mla)

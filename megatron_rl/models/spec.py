@@ -154,7 +154,8 @@ def decoder_block_spec(cfg: ModelConfig, tconfig, pp_rank: int):
     norm = FusedRMSNorm if fused else RMSNorm
     if getattr(tconfig, "multi_latent_attention", False):  # DeepSeek-V3-style layers
         moe, dense = (_local_layer_spec(n, False, fused).submodules.mlp for n in (experts, 0))
-        specs: List = [deepseek.local_layer_spec(moe, dense, norm, bool(m)) for m in pattern]
+        q_lora = tconfig.q_lora_rank is not None
+        specs: List = [deepseek.local_layer_spec(moe, dense, norm, bool(m), q_lora) for m in pattern]
     else:
         specs = [_local_layer_spec(experts if is_moe else 0, tconfig.qk_layernorm, fused) for is_moe in pattern]
     offset = get_transformer_layer_offset(tconfig, pp_rank=pp_rank)
