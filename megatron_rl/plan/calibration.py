@@ -15,7 +15,7 @@ import json
 from typing import Any, Mapping
 
 from megatron_rl.plan.cost_model import (Efficiency, Layout, ModelShape, PlanWorkload, layout_prior, rollout_seconds,
-                                         sync_seconds)
+                                         sync_seconds, trainer_seconds)
 from megatron_rl.plan.devices import Device
 
 TRAINER_TIMES = ("logprobs", "train", "diagnostics")
@@ -30,7 +30,9 @@ def calibrate(med: Mapping[str, float], shape: ModelShape, work: PlanWorkload, l
     trainer_s = sum(med.get(f"time/{p}", 0.0) for p in TRAINER_TIMES)
     passes = trainer_flops / fwd if fwd and trainer_flops else Efficiency.trainer_passes
     devices = min(lay.trainers, dev.cores) if dev.cores else lay.trainers
-    mfu = trainer_flops / (trainer_s * devices * dev.peak_flops) if trainer_s and trainer_flops else Efficiency.base_mfu
+    compute_s = trainer_s - trainer_seconds(shape, work, lay, dev, Efficiency(trainer_passes=0.0))  # less all-reduce
+    mfu = trainer_flops / (compute_s * devices * dev.peak_flops) if compute_s > 0 and trainer_flops else \
+        Efficiency.base_mfu
     roofline = rollout_seconds(shape, work, lay, dev, Efficiency())
     scale = med.get("time/rollout", 0.0) / roofline if roofline and med.get("time/rollout") else 1.0
     link = sync_seconds(shape, lay, dev, Efficiency(sync_overhead_s=0.0))

@@ -26,6 +26,7 @@ workload's distributions; ``E[(p+r)^2]`` for attention):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict
@@ -84,12 +85,17 @@ class PlanWorkload:
         er, er2 = self.response.expected()
         return ep, er, ep2 + 2 * ep * er + er2
 
-    def expected_max_response(self, n: int, draws: int = 64) -> float:
-        """E[max of n drawn response lengths] (a fixed-seed Monte Carlo: deterministic)."""
-        if self.response.kind == "fixed":
-            return float(self.response.value)
-        rng = np.random.default_rng(0)
-        return float(np.mean([self.response.draw(max(1, n), rng).max() for _ in range(draws)]))
+    def expected_max_response(self, n: int) -> float:
+        return expected_max(self.response, max(1, n))
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_max(dist: LengthDist, n: int, draws: int = 64) -> float:
+    """E[max of n drawn lengths] (a fixed-seed Monte Carlo: deterministic)."""
+    if dist.kind == "fixed":
+        return float(dist.value)
+    rng = np.random.default_rng(0)
+    return float(np.mean([dist.draw(n, rng).max() for _ in range(draws)]))
 
 
 @dataclass(frozen=True)
