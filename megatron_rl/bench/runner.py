@@ -36,14 +36,24 @@ class BenchSpec:
     model_config: Optional[str] = None
     workload: Workload = field(default_factory=Workload.parse)
     progress: bool = True
+    settings: Dict[str, Optional[str]] = field(default_factory=lambda: dict(BENCH_KEYS))  # the bench.* values
 
     @classmethod
     def from_args(cls, recipe: str, overrides: Sequence[str], **kw) -> "BenchSpec":
-        run, bench = split_overrides(overrides)
+        run, given = split_overrides(overrides)
+        bench = {**BENCH_KEYS, **given}
         spec = cls(recipe, run, model_config=bench.get("model_config"),
-                   workload=Workload.parse(bench["prompt_len"], bench["response_len"]), **kw)
+                   workload=Workload.parse(bench["prompt_len"], bench["response_len"]), settings=bench, **kw)
         spec.check()
         return spec
+
+    def with_overrides(self, overrides: Sequence[str], out: str) -> "BenchSpec":
+        """This bench with more overrides (run or ``bench.*``) on top, into ``out``."""
+        run, bench = split_overrides(overrides)
+        settings = {**self.settings, **bench}
+        return BenchSpec(self.recipe, self.overrides + run, self.steps, self.warmup, self.mode, out,
+                         settings.get("model_config"), Workload.parse(settings["prompt_len"], settings["response_len"]),
+                         self.progress, settings)
 
     def check(self) -> None:
         problems = []
@@ -68,8 +78,8 @@ class BenchSpec:
 
 
 def split_overrides(overrides: Sequence[str]) -> Tuple[List[str], Dict[str, Optional[str]]]:
-    """The run's overrides and the ``bench.*`` ones (unknown ``bench.`` keys are an error naming the known)."""
-    run, bench = [], dict(BENCH_KEYS)
+    """The run's overrides and the ``bench.*`` ones given (an unknown ``bench.`` key is an error naming the known)."""
+    run, bench = [], {}
     for o in overrides:
         key, _, value = o.partition("=")
         if key.startswith("bench."):

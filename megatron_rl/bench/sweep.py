@@ -8,7 +8,6 @@ devices / base devices)``), and the phase that grew most against that base (in s
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import os
@@ -76,14 +75,7 @@ def point_name(values: Sequence[Tuple[str, str]]) -> str:
 def run_sweep(spec: runner.BenchSpec, grid: List[Tuple[str, List[str]]]) -> Dict[str, Any]:
     points = []
     for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid]):
-        point = copy.deepcopy(spec)
-        point.out = os.path.join(spec.folder, point_name(combo))
-        bench_keys = [f"{k}={v}" for k, v in combo]
-        point.overrides, bench = runner.split_overrides(list(spec.overrides) + bench_keys)
-        if any(k.startswith("bench.") for k, _ in combo):
-            from megatron_rl.bench.workload import Workload
-
-            point.workload = Workload.parse(bench["prompt_len"], bench["response_len"])
+        point = spec.with_overrides([f"{k}={v}" for k, v in combo], os.path.join(spec.folder, point_name(combo)))
         result = run_point(point)
         points.append({"point": dict(combo), "name": point_name(combo), "devices": result["devices"],
                        "stats": {k: v["median"] for k, v in result["stats"].items()}})
