@@ -11,9 +11,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_rl.bench import runner, summary
+
+AfterPoint = Callable[[runner.BenchSpec, Any, Dict[str, Any]], None]
 
 GROWN_PHASES = ("rollout", "logprobs", "train", "weight_sync", "reward", "engine_memory", "trainer_memory", "other")
 
@@ -29,54 +31,35 @@ def parse_grid(items: Sequence[str]) -> List[Tuple[str, List[str]]]:
     return grid
 
 
-def run_point(spec: runner.BenchSpec) -> Dict[str, Any]:
-    """Run one bench; writes table.md, bench.json, phases.png and calibration.json in its folder."""
+def run_point(spec: runner.BenchSpec, after: Optional[AfterPoint] = None) -> Dict[str, Any]:
+    """Run one bench; writes table.md, bench.json and phases.png in its folder, then calls ``after(spec, cfg,
+    result)`` (the CLI's: calibration.json)."""
     from megatron_rl.perf import run_devices
-    from megatron_rl.plan import calibration, devices, planner
 
     rows, cfg, facts = runner.run(spec)
     devs = run_devices(cfg)
     meta = {"recipe": spec.recipe, "overrides": spec.overrides, "workload": spec.workload.describe(),
             "realised_lengths": facts, "devices": {"trainer": devs.trainer, "engine": devs.engine,
                                                    "total": devs.total, "colocated": devs.colocated},
-            "layout": planner.layout_of(cfg).describe(), "model": cfg.model.hf_path}
+            "model": cfg.model.hf_path}
     result = summary.write(spec.folder, rows, spec.warmup, cfg.rollout.num_engines, meta,
                            title=f"{os.path.basename(spec.recipe)} {' '.join(spec.overrides)}".strip())
-    med = {k: v["median"] for k, v in result["stats"].items()}
-    shape = planner.load_shape(cfg.model.hf_path, 4 if cfg.model.dtype == "float32" else 2)
-    dev = devices.device("cpu") if not _has_cuda() else devices.device(_gpu_name())
-    work, lay = planner.workload_of(cfg, spec.workload), planner.layout_of(cfg)
-    eff = calibration.calibrate(med, shape, work, lay, dev)
-    calibration.save(os.path.join(spec.folder, "calibration.json"), eff,
-                     {**meta, "device": dev.name, "peak_flops": dev.peak_flops})
     result["devices"] = devs.total
+    if after is not None:
+        after(spec, cfg, result)
     return result
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _gpu_name() -> str:
-    import torch
-
-    from megatron_rl.plan.devices import GPUS
-
-    name = torch.cuda.get_device_name()
-    return next((g for g in GPUS if g.lower() in name.lower()), "H100")
 
 
 def point_name(values: Sequence[Tuple[str, str]]) -> str:
     return ",".join(f"{k.split('.')[-1]}={v}" for k, v in values) or "base"
 
 
-def run_sweep(spec: runner.BenchSpec, grid: List[Tuple[str, List[str]]]) -> Dict[str, Any]:
+def run_sweep(spec: runner.BenchSpec, grid: List[Tuple[str, List[str]]],
+              after: Optional[AfterPoint] = None) -> Dict[str, Any]:
     points = []
     for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in grid]):
         point = spec.with_overrides([f"{k}={v}" for k, v in combo], os.path.join(spec.folder, point_name(combo)))
-        result = run_point(point)
+        result = run_point(point, after)
         points.append({"point": dict(combo), "name": point_name(combo), "devices": result["devices"],
                        "stats": {k: v["median"] for k, v in result["stats"].items()}})
     table = scaling_table(points)

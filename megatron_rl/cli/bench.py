@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_rl.bench import sweep
     from megatron_rl.bench.runner import BenchSpec
+    from megatron_rl.plan.calibration import write_for_bench
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
@@ -51,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if grid:
-            result = sweep.run_sweep(spec, grid)
+            result = sweep.run_sweep(spec, grid, after=write_for_bench)
             print(result["table"])
         else:
-            result = sweep.run_point(spec)
+            result = sweep.run_point(spec, after=write_for_bench)
             print(result["table"])
             print(f"outputs in {spec.folder}: table.md bench.json phases.png calibration.json metrics.jsonl")
     except ConfigError as e:

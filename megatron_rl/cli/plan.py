@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus={args.gpus}: plan for at least 1 device")
         if args.prompts < 1 or args.samples < 1:
             raise ValueError(f"--prompts={args.prompts} --samples={args.samples}: both must be >= 1")
-        dev = devices.device(args.gpu, cores=args.cores)
+        peak = calibration.measured_peak(args.calibration, args.gpu) if args.calibration else None
+        dev = devices.device(args.gpu, cores=args.cores, peak_flops=peak)
         shape = planner.load_shape(args.model_config, args.dtype_bytes or (4 if dev.name == "cpu" else 2))
         work = planner.plan_workload(args.prompts, args.samples, Workload.parse(args.prompt_len, args.response_len))
         eff = calibration.load(args.calibration) if args.calibration else Efficiency()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, Mapping
 
 from megatron_rl.plan.cost_model import (Efficiency, Layout, ModelShape, PlanWorkload, layout_prior, rollout_seconds,
@@ -59,3 +60,33 @@ def load(path: str) -> Efficiency:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--calibration={path!r}: not a calibration.json written by `megatron-rl bench` ({e}); "
                          "run a bench first or leave --calibration out for the defaults") from None
+
+
+def measured_peak(path: str, device: str) -> "float | None":
+    """The device peak a calibration was computed with, when it was this device kind's (its efficiencies are
+    relative to that peak: on CPU a re-measured peak would follow the machine's load instead)."""
+    try:
+        with open(path) as f:
+            meta = json.load(f).get("meta", {})
+    except (OSError, ValueError):
+        return None
+    return float(meta["peak_flops"]) if meta.get("device") == device and meta.get("peak_flops") else None
+
+
+def write_for_bench(spec, cfg, result: Mapping[str, Any]) -> str:
+    """A bench point's ``calibration.json`` (``megatron_rl.bench.sweep.run_point``'s ``after``): the efficiencies
+    of its medians on this machine's device (a known GPU, else the CPU, at the peak measured now)."""
+    import torch
+
+    from megatron_rl.plan import devices, planner
+
+    med = {k: v["median"] for k, v in result["stats"].items()}
+    shape = planner.load_shape(cfg.model.hf_path, 4 if cfg.model.dtype == "float32" else 2)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    gpu = next((g for g in devices.GPUS if g.lower() in name.lower()), None)
+    dev = devices.device(gpu or "cpu")
+    eff = calibrate(med, shape, planner.workload_of(cfg, spec.workload), planner.layout_of(cfg), dev)
+    path = os.path.join(spec.folder, "calibration.json")
+    save(path, eff, {**result.get("meta", {}), "device": dev.name, "peak_flops": dev.peak_flops,
+                     "layout": planner.layout_of(cfg).describe()})
+    return path

@@ -127,8 +127,8 @@ class Layout:
         mode = f"async k={self.staleness}" if self.mode == "async" else self.mode
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         split = "colocated" if self.placement == "colocated" else f"disaggregated {self.engine_devices}:{self.trainers}"
-        return (f"tp{self.tp} pp{self.pp}{ep} dp{self.dp} | {self.engines} engine(s) x tp{self.engine_tp} | "
-                f"{split} | {mode}")
+        return (f"tp{self.tp} pp{self.pp}{ep} dp{self.dp}; {self.engines} engine(s) x tp{self.engine_tp}; "
+                f"{split}; {mode}")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def cpu_device(cores: Optional[int] = None, peak_flops: Optional[float] = None) 
         info = device_peak_flops(torch.float32, torch.device("cpu"))
         peak_flops, source = float(info["peak_flops"]), f"{info['device']}: {info['source']}"
     else:
-        source = "given"
+        source = "the calibration's"
     cores = cores or os.cpu_count() or 1
     return Device("cpu", peak_flops, 20e9, 5.0, 1.0, 8.0, 64, cores=cores, source=source)
 
@@ -59,4 +59,4 @@ def device(name: str, cores: Optional[int] = None, peak_flops: Optional[float] =
     if key not in VENDOR:
         raise ValueError(f"--gpu={name!r}: unknown device; known: {', '.join(GPUS)}, cpu")
     d = VENDOR[key]
-    return replace(d, peak_flops=peak_flops, source="given") if peak_flops else d
+    return replace(d, peak_flops=peak_flops, source="the calibration's peak") if peak_flops else d

@@ -4,7 +4,7 @@ Candidates for ``N`` devices (every one uses at most ``N``: a plan may leave dev
 never predicted slower): trainer layouts TP in {1, 2, 4, 8} (within a node), PP dividing the layers, EP dividing
 the experts (MoE), DP what remains; engines of TP in {1, 2, 4, 8}; colocated (trainers and engines on all the
 devices) or disaggregated with an engine:trainer split of 1:3, 1:1 or 3:1 of the devices; modes sync, one-step and
-async k in {1, 2} (overlapped modes disaggregated only). Every candidate runs the same batch, so the ranking is by
+async k in {1, 2} (overlapped modes disaggregated only); on CPU engines are single processes (no engine TP). Every candidate runs the same batch, so the ranking is by
 predicted step time (fewer devices break ties); candidates that do not fit the device memory are left out.
 """
 
@@ -51,7 +51,7 @@ def candidates(n_devices: int, shape: ModelShape, dev: Device) -> Iterable[Layou
                     for ep in (POW2 if shape.num_experts else (1,)):
                         if ep > 1 and (shape.num_experts % ep or (trainers // (tp * pp)) % ep):
                             continue
-                        for etp in POW2:
+                        for etp in (POW2 if not dev.cores else (1,)):  # CPU engines (embedded) have no TP
                             if engine_devs % etp or etp > dev.per_node:
                                 continue
                             modes = [("sync", 1)] + ([("one_step", 1), ("async", 1), ("async", 2)]
