@@ -33,6 +33,7 @@ DISAGG = ["rollout.placement=disaggregated"]
 # name -> overrides (on top of BASE); "calib" calibrates
 CONFIGS: Dict[str, List[str]] = {
     "calib": ["bench.response_len=fixed:16"],
+    "calib_repeat": ["bench.response_len=fixed:16"],  # the same again: the error the machine's noise alone makes
     "resp32": ["bench.response_len=fixed:32"],
     "resp8": ["bench.response_len=fixed:8"],
     "lognormal": ["bench.response_len=lognormal:mean=16,sigma=0.5,cap=40"],
@@ -57,6 +58,16 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def matmul_rate() -> float:
+    """This machine's single-thread fp32 matmul FLOP/s now (median of 5 x 0.2 s): its load, as the planner sees it."""
+    import torch
+
+    from megatron_rl.perf import measure_matmul_flops
+
+    torch.set_num_threads(1)
+    return measure_matmul_flops(torch.device("cpu"), torch.float32)
+
+
 def measure(out: Path, name: str, overrides: List[str], assets: str, steps: int, warmup: int, rerun: bool,
             tries: int = 3) -> None:
     folder = out / name
@@ -67,7 +78,7 @@ def measure(out: Path, name: str, overrides: List[str], assets: str, steps: int,
             "--out", str(folder), "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
     for attempt in range(tries):  # a shared machine: Ray's memory monitor may kill a worker for a neighbour's use
-        load = load_average()
+        load, rate = load_average(), matmul_rate()
         proc = subprocess.run(args, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1200)
         if proc.returncode == 0:
             break
@@ -75,7 +86,8 @@ def measure(out: Path, name: str, overrides: List[str], assets: str, steps: int,
     else:
         return
     with open(folder / "load.json", "w") as f:
-        json.dump({"load_before": load, "load_after": load_average()}, f)
+        json.dump({"load_before": load, "load_after": load_average(), "rate_before": rate, "rate_after": matmul_rate()},
+                  f)
     print(f"{name}: measured (load {load:.1f})", flush=True)
 
 
@@ -87,7 +99,19 @@ def predict(out: Path) -> Dict[str, object]:
 
     calib = json.loads((out / "calib" / "calibration.json").read_text())
     eff = calibration.load(str(out / "calib" / "calibration.json"))
-    dev = devices.device("cpu", peak_flops=calib["meta"]["peak_flops"])
+    rate = {}  # the machine's matmul rate around each run (mean of before and after)
+    for name in CONFIGS:
+        path = out / name / "load.json"
+        info = json.loads(path.read_text()) if path.exists() else {}
+        rate[name] = 0.5 * (info["rate_before"] + info["rate_after"]) if "rate_before" in info else None
+    if rate.get("calib"):  # calibrated again at the matmul rate measured around the calibration run
+        cb = json.loads((out / "calib" / "bench.json").read_text())
+        ccfg = load_run_config(str(out / "calib" / "config.yaml"), [], prepare=False, check=False)
+        cw = cb["meta"]["workload"]
+        eff = calibration.calibrate({k: v["median"] for k, v in cb["stats"].items()},
+                                    planner.load_shape(ccfg.model.hf_path, 4),
+                                    planner.workload_of(ccfg, Workload.parse(cw["prompt_len"], cw["response_len"])),
+                                    planner.layout_of(ccfg), devices.device("cpu", peak_flops=rate["calib"]))
     rows = []
     for name in CONFIGS:
         if not (out / name / "bench.json").exists():
@@ -98,11 +122,12 @@ def predict(out: Path) -> Dict[str, object]:
         w = bench["meta"]["workload"]
         work = planner.workload_of(cfg, Workload.parse(w["prompt_len"], w["response_len"]))
         shape = planner.load_shape(cfg.model.hf_path, 4 if cfg.model.dtype == "float32" else 2)
+        dev = devices.device("cpu", peak_flops=rate[name] or calib["meta"]["peak_flops"])
         pred = predict_one(shape, work, planner.layout_of(cfg), dev, eff)
         measured = bench["stats"]["time/step"]
         load = json.loads((out / name / "load.json").read_text())["load_before"] if (out / name / "load.json").exists() \
             else float("nan")
-        rows.append({"name": name, "layout": planner.layout_of(cfg).describe(), "workload": w,
+        rows.append({"name": name, "layout": planner.layout_of(cfg).describe(), "workload": w, "rate": rate[name],
                      "predicted_s": pred.step_s, "measured_s": measured["median"], "measured_min_s": measured["min"],
                      "measured_max_s": measured["max"], "error": pred.step_s / measured["median"] - 1.0,
                      "load": load})
