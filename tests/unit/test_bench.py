@@ -86,3 +86,40 @@ def test_scaling_table():
 def test_length_dist_max_and_describe():
     assert LengthDist.parse("fixed:5").max == 5 and LengthDist.parse("lognormal:mean=8,cap=20").max == 20
     assert LengthDist.parse("lognormal:mean=8,sigma=0.3,cap=20").describe() == "lognormal:mean=8,sigma=0.3,cap=20"
+
+
+def test_rollout_generates_each_prompt_to_its_drawn_length(tmp_path):
+    """ignore_eos + the prompt file's max_new_tokens column, through the real rollout phase and embedded engine."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import RolloutConfig, SamplingConfig
+    from megatron_rl.data.config import DataConfig
+    from megatron_rl.data.prompts import PromptDataset
+    from megatron_rl.data.rewards import RewardConfig, RewardRunner
+    from megatron_rl.data.sampler import PromptSampler
+    from megatron_rl.orchestration.rollout_phase import RolloutPhase
+    from megatron_rl.rollout.embedded.engine import EmbeddedEngine
+
+    from run_helpers import quick_assets
+
+    assets = quick_assets(tmp_path / "assets")
+    tok = AutoTokenizer.from_pretrained(assets["student"])
+    w = Workload.parse("fixed:6", "lognormal:mean=10,sigma=0.6,cap=24")
+    write_prompts(str(tmp_path / "p.jsonl"), tok, w, 12, seed=1)
+    data = DataConfig(path=str(tmp_path / "p.jsonl"), max_prompt_tokens=8, shuffle=False,
+                      metadata_fields=("max_new_tokens",))
+    sampler = PromptSampler.from_config(PromptDataset(data, tok))
+    cfg = RolloutConfig(sampling=SamplingConfig(max_new_tokens=24, ignore_eos=True), n_samples_per_prompt=4,
+                        prompts_per_step=12, dynamic_sampling=False)
+    reward = RewardConfig(kind="custom", custom_fn="megatron_rl.bench.reward:bench_reward", in_process=True)
+    phase = RolloutPhase(cfg, EmbeddedEngine.from_pretrained(assets["student"]), tok, sampler, RewardRunner(reward),
+                         seed=0, batch_unit=4, progress_bars=False)
+    try:
+        batch = phase.collect(step=1, filter_groups=False)
+    finally:
+        phase.close()
+    drawn = [g.record.metadata["max_new_tokens"] for g in batch.groups]
+    assert len(drawn) == 12 and len(set(drawn)) > 3
+    assert [[len(s.response_ids) for s in g.samples] for g in batch.groups] == [[n] * 4 for n in drawn]
+    assert all(len(g.record.prompt_ids) == 6 for g in batch.groups)
+    assert len({r for g in batch.groups for r in g.rewards}) > 10  # the bench reward varies: GRPO has signal
