@@ -49,7 +49,8 @@ def random_model(config_path: str, root: str, seed: int = 0) -> str:
         return out
     cfg = AutoConfig.for_model(**{**raw, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, str(raw.get("torch_dtype") or "float32")))
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     tmp = out + ".tmp"
     model.save_pretrained(tmp)
     save_tokenizer(tmp, int(cfg.vocab_size))

@@ -123,3 +123,22 @@ def test_rollout_generates_each_prompt_to_its_drawn_length(tmp_path):
     assert [[len(s.response_ids) for s in g.samples] for g in batch.groups] == [[n] * 4 for n in drawn]
     assert all(len(g.record.prompt_ids) == 6 for g in batch.groups)
     assert len({r for g in batch.groups for r in g.rewards}) > 10  # the bench reward varies: GRPO has signal
+
+
+def test_random_model_from_an_hf_config(tmp_path):
+    from megatron_rl.bench.model import random_model
+    from megatron_rl.models.build import load_arch
+    from transformers import AutoTokenizer
+
+    cfg = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 128,
+           "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = random_model(str(tmp_path / "config.json"), str(tmp_path / "models"))
+    assert random_model(str(tmp_path), str(tmp_path / "models")) == out  # reused: keyed by the config's content
+    arch = load_arch(out)
+    assert (arch.vocab_size, arch.hidden_size, arch.num_layers, arch.num_kv_heads) == (96, 32, 2, 1)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 96 and tok.eos_token_id == 2 and tok("w5 w95")["input_ids"] == [5, 95]
+    with pytest.raises(ValueError, match="bench.model_config=.*cannot read an HF config.json"):
+        random_model(str(tmp_path / "missing.json"), str(tmp_path / "models"))
