@@ -33,16 +33,16 @@ DISAGG = ["rollout.placement=disaggregated"]
 # name -> overrides (on top of BASE); "calib" calibrates
 CONFIGS: Dict[str, List[str]] = {
     "calib": ["bench.response_len=fixed:16"],
-    "calib_repeat": ["bench.response_len=fixed:16"],  # the same again: the error the machine's noise alone makes
+    "disagg_sync": ["bench.response_len=fixed:16", *DISAGG],
+    "disagg_one_step": ["bench.response_len=fixed:16", *DISAGG, "rollout.mode=one_step"],
+    "disagg_async": ["bench.response_len=fixed:16", *DISAGG, "rollout.mode=async"],
+    "tp1_dp2": ["bench.response_len=fixed:16", "parallel.tp=1"],
+    "ws1": ["bench.response_len=fixed:16", "parallel.tp=1", "parallel.world_size=1"],
     "resp32": ["bench.response_len=fixed:32"],
     "resp8": ["bench.response_len=fixed:8"],
     "lognormal": ["bench.response_len=lognormal:mean=16,sigma=0.5,cap=40"],
     "prompts16": ["bench.response_len=fixed:16", "rollout.prompts_per_step=16"],
-    "tp1_dp2": ["bench.response_len=fixed:16", "parallel.tp=1"],
-    "ws1": ["bench.response_len=fixed:16", "parallel.tp=1", "parallel.world_size=1"],
-    "disagg_sync": ["bench.response_len=fixed:16", *DISAGG],
-    "disagg_one_step": ["bench.response_len=fixed:16", *DISAGG, "rollout.mode=one_step"],
-    "disagg_async": ["bench.response_len=fixed:16", *DISAGG, "rollout.mode=async"],
+    "calib_repeat": ["bench.response_len=fixed:16"],  # the same again: the error the machine's noise alone makes
 }
 # comparison groups: does the plan pick the measured best?
 GROUPS = {
@@ -99,19 +99,12 @@ def predict(out: Path) -> Dict[str, object]:
 
     calib = json.loads((out / "calib" / "calibration.json").read_text())
     eff = calibration.load(str(out / "calib" / "calibration.json"))
-    rate = {}  # the machine's matmul rate around each run (mean of before and after)
+    dev = devices.device("cpu", peak_flops=calib["meta"]["peak_flops"])  # the calibration's peak for all
+    rate = {}  # the machine's single-thread matmul rate around each run (mean of before and after): its load
     for name in CONFIGS:
         path = out / name / "load.json"
         info = json.loads(path.read_text()) if path.exists() else {}
-        rate[name] = 0.5 * (info["rate_before"] + info["rate_after"]) if "rate_before" in info else None
-    if rate.get("calib"):  # calibrated again at the matmul rate measured around the calibration run
-        cb = json.loads((out / "calib" / "bench.json").read_text())
-        ccfg = load_run_config(str(out / "calib" / "config.yaml"), [], prepare=False, check=False)
-        cw = cb["meta"]["workload"]
-        eff = calibration.calibrate({k: v["median"] for k, v in cb["stats"].items()},
-                                    planner.load_shape(ccfg.model.hf_path, 4),
-                                    planner.workload_of(ccfg, Workload.parse(cw["prompt_len"], cw["response_len"])),
-                                    planner.layout_of(ccfg), devices.device("cpu", peak_flops=rate["calib"]))
+        rate[name] = 0.5 * (info["rate_before"] + info["rate_after"]) if "rate_before" in info else float("nan")
     rows = []
     for name in CONFIGS:
         if not (out / name / "bench.json").exists():
@@ -122,7 +115,6 @@ def predict(out: Path) -> Dict[str, object]:
         w = bench["meta"]["workload"]
         work = planner.workload_of(cfg, Workload.parse(w["prompt_len"], w["response_len"]))
         shape = planner.load_shape(cfg.model.hf_path, 4 if cfg.model.dtype == "float32" else 2)
-        dev = devices.device("cpu", peak_flops=rate[name] or calib["meta"]["peak_flops"])
         pred = predict_one(shape, work, planner.layout_of(cfg), dev, eff)
         measured = bench["stats"]["time/step"]
         load = json.loads((out / name / "load.json").read_text())["load_before"] if (out / name / "load.json").exists() \
@@ -145,12 +137,12 @@ def predict(out: Path) -> Dict[str, object]:
 
 def markdown(res: Dict[str, object]) -> str:
     rows, groups = res["rows"], res["groups"]
-    lines = ["| config | layout | response | predicted s | measured s (min-max) | error | load |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| config | layout | response | predicted s | measured s (min-max) | error | load | matmul GFLOP/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['layout']} | {r['workload']['response_len']} | {r['predicted_s']:.3f} | "
                      f"{r['measured_s']:.3f} ({r['measured_min_s']:.3f}-{r['measured_max_s']:.3f}) | "
-                     f"{100 * r['error']:+.0f}% | {r['load']:.1f} |")
+                     f"{100 * r['error']:+.0f}% | {r['load']:.1f} | {r['rate'] / 1e9:.1f} |")
     others = [r for r in rows if r["name"] != "calib"]
     within = sum(abs(r["error"]) <= 0.25 for r in others)
     lines += ["", f"{within} of {len(others)} predictions within ±25 % (median |error| "

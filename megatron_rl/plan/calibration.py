@@ -43,8 +43,7 @@ def calibrate(med: Mapping[str, float], shape: ModelShape, work: PlanWorkload, l
     other = max(0.0, med.get("time/step", 0.0) - named) / work.sequences
     return Efficiency(base_mfu=mfu / layout_prior(lay.tp, lay.pp), trainer_passes=passes, rollout_scale=scale,
                       sync_overhead_s=sync_overhead, other_per_seq_s=other, handoff_s=handoff,
-                      layout_mfu={f"tp{lay.tp}_pp{lay.pp}": mfu}, ref_peak_flops=dev.peak_flops if dev.cores else 0.0,
-                      source="calibrated")
+                      layout_mfu={f"tp{lay.tp}_pp{lay.pp}": mfu}, source="calibrated")
 
 
 def save(path: str, eff: Efficiency, meta: Mapping[str, Any]) -> None:

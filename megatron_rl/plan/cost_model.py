@@ -21,8 +21,9 @@ workload's distributions; ``E[(p+r)^2]`` for attention):
   and trainers share the devices) overlap them, ``max(rollout, trainer)``; ``async`` with staleness ``k`` also
   shortens the decode tail: ``S = E[r] + (E[max r] - E[r]) / (k + 1)`` (generation continues across steps).
   On CPU the processes share ``cores``: overlapped work takes at least its core-seconds / cores, and a phase
-  gets at most ``cores`` processes' worth of compute; a busy machine is slower in every phase, so the
-  calibrated seconds scale by the matmul rate then over now (:meth:`Efficiency.load_factor`).
+  gets at most ``cores`` processes' worth of compute. (A load correction by the matmul rate measured before
+  and after each run made the CPU validation worse -- the same config measured twice was predicted 3x apart
+  -- so the machine's load is not modelled: calibrate and plan on the same, quiet machine.)
 """
 
 from __future__ import annotations
@@ -145,14 +146,7 @@ class Efficiency:
     other_per_seq_s: float = 1e-4
     handoff_s: float = 1.0
     layout_mfu: Dict[str, float] = field(default_factory=dict)  # "tp2_pp1" -> measured base MFU there
-    ref_peak_flops: float = 0.0  # CPU: the matmul rate when calibrated (the machine's load then)
     source: str = "defaults"
-
-    def load_factor(self, dev: Device) -> float:
-        """CPU only: how much slower this machine is now than when calibrated (the calibration's matmul rate over
-        the one measured now); the calibrated seconds (memory-bound decode, sync, other, hand-over) scale by it,
-        as FLOP-bound phases do through the peak. 1 on GPUs."""
-        return self.ref_peak_flops / dev.peak_flops if dev.cores and self.ref_peak_flops else 1.0
 
     def mfu(self, tp: int, pp: int) -> float:
         """A measured layout's own MFU, else the base MFU times the layout's prior factor."""
@@ -193,7 +187,7 @@ def rollout_seconds(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Dev
     share = _eff_devices(lay.engine_devices, dev) / lay.engine_devices  # CPU: engines past the cores wait
     bw = dev.hbm_bytes_per_s * eff.decode_bw_eff * tp * share
     kv_read = n * er * (ep + er / 2.0) * shape.layers * shape.kv_dim * shape.bytes_per_param  # summed over tokens
-    memory = (steps * shape.weight_bytes + kv_read) / bw * eff.load_factor(dev)
+    memory = (steps * shape.weight_bytes + kv_read) / bw
     compute = shape.flops.forward(n * (ep + er), n * e_sq) / (dev.peak_flops * eff.decode_flop_eff * tp * share)
     return eff.rollout_scale * (memory + compute)
 
@@ -213,7 +207,7 @@ def trainer_seconds(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Dev
 def sync_seconds(shape: ModelShape, lay: Layout, dev: Device, eff: Efficiency) -> float:
     one_node = lay.placement == "colocated" or lay.devices <= dev.per_node
     link = dev.intra_gb_per_s if one_node else dev.inter_gb_per_s
-    return (eff.sync_overhead_s + shape.weight_bytes / (lay.tp * lay.pp) / (link * 1e9 * 0.7)) * eff.load_factor(dev)
+    return eff.sync_overhead_s + shape.weight_bytes / (lay.tp * lay.pp) / (link * 1e9 * 0.7)
 
 
 def predict(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff: Efficiency) -> Prediction:
@@ -222,7 +216,7 @@ def predict(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff
     roll = rollout_seconds(shape, work, lay, dev, eff)
     trainer = trainer_seconds(shape, work, lay, dev, eff)
     sync = sync_seconds(shape, lay, dev, eff)
-    other = (eff.other_per_seq_s * n + (eff.handoff_s if lay.placement == "colocated" else 0.0)) * eff.load_factor(dev)
+    other = eff.other_per_seq_s * n + (eff.handoff_s if lay.placement == "colocated" else 0.0)
     if lay.mode != "sync" and lay.placement == "disaggregated":
         busy = max(roll, trainer)
         if dev.cores:  # overlapping processes share the cores
