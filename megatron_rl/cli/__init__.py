@@ -7,6 +7,8 @@ and ``run(args) -> exit code``.
   export.py  ``megatron-rl export CHECKPOINT_DIR OUT_DIR``: a trainer checkpoint -> HF safetensors
   report.py  ``megatron-rl report RUN_DIR``: one HTML page of PNG plots
   slurm.py   ``megatron-rl slurm RECIPE [key=value ...]``: an sbatch script for a Ray cluster over SLURM
+  bench.py   ``megatron-rl bench RECIPE [key=value ...] [--steps N] [--sweep key=v1,v2 ...]``: throughput benchmark
+  plan.py    ``megatron-rl plan MODEL_CONFIG --gpus N --gpu H100``: predicted step time of candidate layouts
 
 ``python -m megatron_rl.cli`` (``__main__.py``) is the same. Only the chosen sub-command's module is imported
 (``megatron-rl --help`` loads neither torch nor Ray).
@@ -33,6 +35,10 @@ COMMANDS = {
     "export": "a trainer checkpoint (any TP/PP/EP) -> HF safetensors + config + tokenizer: "
               "`megatron-rl export CHECKPOINT_DIR OUT_DIR`",
     "report": "one HTML page with PNG plots of a run: `megatron-rl report RUN_DIR`",
+    "bench": "throughput benchmark of a recipe on a synthetic workload, no dataset: "
+             "`megatron-rl bench RECIPE [key=value ...] [--steps N] [--sweep key=v1,v2 ...]`",
+    "plan": "predict step time, tokens/s/GPU and MFU of candidate layouts / placements / modes: "
+            "`megatron-rl plan MODEL_CONFIG --gpus N --gpu H100|H200|B200|cpu`",
 }
 
 # a dotted key=value override: collected wherever it stands (argparse takes positionals in one run only,

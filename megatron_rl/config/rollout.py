@@ -23,7 +23,9 @@ PROCESSED_MAX_SUPPORT = 4096  # SGLang 0.5.23's default --sampling-mask-max-toke
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Rollout sampling (SGLang names). The tokenizer's EOS is always a stop token."""
+    """Rollout sampling (SGLang names). The tokenizer's EOS is a stop token unless ``ignore_eos`` (benchmarks:
+    responses run to ``max_new_tokens``, or to a prompt's own ``max_new_tokens`` data column when
+    ``data.metadata_fields`` lists it)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,6 +33,7 @@ class SamplingConfig:
     min_p: float = 0.0
     max_new_tokens: int = 1024
     stop_token_ids: List[int] = field(default_factory=list)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -91,7 +91,7 @@ class AsyncRollouts(Rollouts):
             record = self.sampler.next_batch(1)[0]
             seed = request_seed(self.seed, slot.index, ASYNC_ROUND, 0) if self.cfg.seeded else None
             self._admitted[slot.index] = _Admitted(record, self.phase.sampling(n=self.cfg.n_samples_per_prompt,
-                                                                               seed=seed))
+                                                                               seed=seed, record=record))
             self._pool.submit(self._generate, slot.index)
 
     def _generate(self, index: int) -> None:

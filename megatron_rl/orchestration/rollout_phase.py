@@ -90,7 +90,8 @@ class RolloutPhase:
         self.sampler, self.rewards = sampler, rewards
         self.seed, self.batch_unit = seed, batch_unit
         self.progress_bars, self.routing_replay = progress_bars, routing_replay
-        self.stop_ids = tuple(sorted(set(cfg.sampling.stop_token_ids) | {int(tokenizer.eos_token_id)}))
+        eos = set() if cfg.sampling.ignore_eos else {int(tokenizer.eos_token_id)}
+        self.stop_ids = tuple(sorted(set(cfg.sampling.stop_token_ids) | eos))
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="rollout")
         self.meter = BusyMeter()  # the engines' busy time, for perf/engine_idle_frac
 
@@ -98,14 +99,17 @@ class RolloutPhase:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def sampling(self, *, n: int, greedy: bool = False, max_new_tokens: Optional[int] = None,
-                 seed: Optional[int] = None) -> SamplingParams:
+                 seed: Optional[int] = None, record: Optional[PromptRecord] = None) -> SamplingParams:
+        """``record``: a prompt whose ``max_new_tokens`` metadata column sets its own length (benchmarks)."""
         s = self.cfg.sampling
+        if max_new_tokens is None and record is not None and record.metadata.get("max_new_tokens"):
+            max_new_tokens = min(int(record.metadata["max_new_tokens"]), s.max_new_tokens)
         if greedy:
             return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or s.max_new_tokens,
                                   stop_token_ids=self.stop_ids, n=n, seed=seed)
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                               max_new_tokens=max_new_tokens or s.max_new_tokens, stop_token_ids=self.stop_ids,
-                              n=n, seed=seed)
+                              n=n, seed=seed, ignore_eos=s.ignore_eos)
 
     # ---- phases ---------------------------------------------------------------------------------------
     def generate(self, records: Sequence[PromptRecord], params: Sequence[SamplingParams],
@@ -155,9 +159,9 @@ class RolloutPhase:
         round_, wanted = 0, target
         while True:
             records = self.sampler.next_batch(wanted)
-            params = [self.sampling(n=cfg.n_samples_per_prompt,
+            params = [self.sampling(n=cfg.n_samples_per_prompt, record=r,
                                     seed=request_seed(self.seed, step, round_, i) if cfg.seeded else None)
-                      for i in range(len(records))]
+                      for i, r in enumerate(records)]
             start = time.perf_counter()
             samples = self.generate(records, params, desc=f"rollout step {step}" + (f" +{round_}" if round_ else ""))
             times["rollout"] += time.perf_counter() - start

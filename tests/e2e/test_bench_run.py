@@ -1,0 +1,56 @@
+"""``megatron-rl bench`` end to end on the tiny recipe: the summary's figures are the run's own ``perf/`` metrics
+(same steps, same definitions), the responses have the drawn lengths, and the outputs are there; a two-point
+``--sweep`` writes the scaling table."""
+
+import json
+import statistics
+
+import pytest
+
+from megatron_rl.metrics import read_metrics
+from megatron_rl.plan import calibration
+
+from run_helpers import TINY_RECIPE, check_ok, nontrivial, quick_assets, run_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _args(assets, *extra):
+    return ["bench", TINY_RECIPE, "prepare.kind=none", f"model.hf_path={assets['student']}",
+            "rollout.prompts_per_step=4", "bench.prompt_len=fixed:6", *extra, "--steps", "2", "--warmup", "1",
+            "--no-progress"]
+
+
+def _check_point(folder, response_len):
+    bench = json.loads((folder / "bench.json").read_text())
+    rows = [m for m in read_metrics(str(folder)) if "time/step" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4] and bench["timed_steps"] == [2, 3]
+    timed = [m for m in rows if m["step"] in (2, 3)]
+    for key in ("time/step", "time/rollout", "time/train", "perf/tokens_per_s_per_gpu", "perf/mfu",
+                "perf/train_tokens_per_s_per_gpu", "perf/rollout_tokens_per_s_per_gpu", "perf/trainer_idle_frac",
+                "sync/seconds"):
+        values = [m[key] for m in timed]
+        assert bench["stats"][key]["median"] == statistics.median(values), key
+        assert bench["stats"][key]["min"] == min(values)
+    for m in rows:  # ignore_eos: every response runs to its drawn length; prompts have theirs (BOS included)
+        assert m["rollout/response_len_mean"] == response_len and m["rollout/response_len_max"] == response_len
+        assert m["rollout/prompt_tokens"] == 6 * 4 * 8
+    assert "| tokens/s/GPU |" in (folder / "table.md").read_text() and nontrivial(folder / "phases.png")
+    eff = calibration.load(str(folder / "calibration.json"))
+    assert eff.source.startswith("calibrated") and eff.rollout_scale > 0 and 2.5 < eff.trainer_passes < 8
+
+
+def test_bench_reports_the_runs_own_metrics_and_sweeps(tmp_path):
+    assets = quick_assets(tmp_path / "assets")
+    proc = run_cli(_args(assets, "bench.response_len=fixed:5", "--out", str(tmp_path / "one")), timeout=600)
+    check_ok(proc)
+    assert "| step time (s) |" in proc.stdout
+    _check_point(tmp_path / "one", 5)
+    proc = run_cli(_args(assets, "--out", str(tmp_path / "sweep"), "--sweep", "bench.response_len=fixed:3,fixed:7"),
+                   timeout=600)
+    check_ok(proc)
+    for name, length in (("response_len=fixed:3", 3), ("response_len=fixed:7", 7)):
+        _check_point(tmp_path / "sweep" / name, length)
+    table = (tmp_path / "sweep" / "scaling.md").read_text()
+    assert "| response_len=fixed:3 |" in table and "efficiency vs linear" in table
+    assert nontrivial(tmp_path / "sweep" / "scaling.png")
