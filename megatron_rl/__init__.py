@@ -19,7 +19,7 @@ Tour (each sub-package's ``__init__`` has its own):
   config_io.py    dataclass <-> YAML / dotted overrides, type-checked, every problem at once
   lr_schedules.py learning-rate schedules incl. the response-length-surge decay
   parallel.py     torch.distributed + Megatron parallel_state set-up; explicit process groups
-  compat.py       the CPU compatibility layer for Megatron-Core (applied only without CUDA)
+  compat/         the CPU compatibility layer for Megatron-Core (applied only without CUDA)
   metrics.py, perf.py, profiling.py   metric sinks; throughput, idle fractions, MFU; torch-profiler captures
   diagnostics.py  the gain decomposition of an update (math_spec §h) and reward bits per episode (§i)
   upstream_warnings.py  known Megatron-Core / torch warnings as one line (the command line installs it)

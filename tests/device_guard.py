@@ -150,7 +150,7 @@ class DeviceGuard(TorchFunctionMode):
                          (torch.cuda, "current_device", torch.cuda.current_device)]
         torch.Tensor.device = property(_device_property)
         parallel.device = lambda: DEVICE
-        torch.cuda.current_device = lambda: DEVICE  # where Megatron allocates (RoPE, buffers): compat.py
+        torch.cuda.current_device = lambda: DEVICE  # where Megatron allocates (RoPE, buffers): megatron_rl/compat/
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -172,7 +172,7 @@ class DeviceGuard(TorchFunctionMode):
         if func is torch.Tensor.to:
             return self._to(args, kwargs)
         if func is torch.Tensor.type or getattr(func, "__name__", "") in ("type", "_cuda_type_names"):
-            # compat.py swaps Tensor.type for a query that calls the real one: answer with the real one
+            # megatron_rl/compat/ swaps Tensor.type for a query that calls the real one: answer with the real one
             return torch._C.TensorBase.type(*args, **kwargs)
         out = func(*args, **kwargs)
         if func is torch.Tensor.cpu or func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy):

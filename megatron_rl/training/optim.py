@@ -71,7 +71,7 @@ def _clip(optimizer, max_norm: float, total_norm: float) -> None:
             continue
         params = opt.get_parameters()
         if params:
-            # looked up at call time: the CPU compatibility layer wraps it (compat.py)
+            # looked up at call time: the CPU compatibility layer wraps it (megatron_rl/compat/)
             clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm,
                                                     use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 

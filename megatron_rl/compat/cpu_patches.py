@@ -1,28 +1,5 @@
-"""CPU compatibility layer for Megatron-Core 0.16.1 to 0.19.2 on a machine without CUDA (0.17+ only: compat_mcore019).
-
-Megatron-Core assumes a CUDA device in many places (each patch below names the one it works around).
-Every workaround we need lives here, registered with :func:`_patch` together with a one-line reason and the
-condition under which it can be deleted. Nothing is patched at import time: :func:`apply` does it,
-once, and only when ``torch.cuda.is_available()`` is false — on a GPU machine it does nothing.
-
-Patches are as narrow as we could make them: a single function or attribute is wrapped, a ``torch``
-name is shimmed inside one Megatron module only, or a global is swapped only for the duration of one
-Megatron call. Two CUDA assumptions are avoided rather than patched: the stock ``DotProductAttention``
-(CUDA causal-mask helper) and ``WrappedTorchNorm`` (asserts no sequence parallelism) are simply not
-used by our portable layer spec (:mod:`megatron_rl.models.spec`), which brings its own SDPA core
-attention and RMSNorm.
-
-:func:`applied_patches` lists what was applied (for ``megatron-rl diagnose`` and bug reports).
-``torch.cuda.current_device`` and ``torch.cuda.synchronize`` are replaced process-wide; on a CPU
-build both only raised before, so nothing that worked changes behaviour.
-
-Verified on CPU with these patches (tests/distributed): GPTModel forward/backward at TP, PP (1F1B,
-tied embeddings), EP with the alltoall and allgather dispatchers, expert-TP; Megatron DDP,
-``finalize_model_grads``, the Megatron and the distributed optimizer with grad clipping;
-dist-checkpointing save/load (checked by hand: its writer needs non-daemonic ranks). Not covered:
-``num_distributed_optimizer_instances > 1`` (CUDA streams), CUDA graphs. Context parallelism runs with
-the portable core attention (:mod:`megatron_rl.models.attention`) and the RoPE patch below.
-"""
+"""The CPU workarounds megatron-core 0.16.1 and later need (each registered with its reason and removal
+condition; applied by :func:`megatron_rl.compat.apply`)."""
 
 from __future__ import annotations
 
@@ -30,154 +7,11 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List
+from typing import Any, List
 
 import torch
 
-__all__ = ["apply", "applied_patches", "is_applied", "PATCHES"]
-
-
-@dataclass(frozen=True)
-class Patch:
-    name: str
-    reason: str
-    remove_when: str
-    fn: Callable[[], None]
-
-
-PATCHES: List[Patch] = []
-_applied: List[str] = []
-_done = False
-
-
-def _patch(reason: str, remove_when: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    def register(fn: Callable[[], None]) -> Callable[[], None]:
-        PATCHES.append(Patch(fn.__name__.lstrip("_"), reason, remove_when, fn))
-        return fn
-
-    return register
-
-
-def apply() -> None:
-    """Neutralise Megatron-Core's CUDA assumptions when CUDA is absent. Idempotent; no-op with CUDA."""
-    global _done
-    if _done or torch.cuda.is_available():
-        return
-    for p in PATCHES:
-        p.fn()
-        _applied.append(p.name)
-    _done = True
-
-
-def vectorise_thd_rope() -> None:
-    """Install the vectorised packed-sequence RoPE on any device (CUDA included: Megatron's loop over the
-    sequences costs launches and host syncs there too; Transformer Engine's fused RoPE does not use it)."""
-    _vectorised_thd_rope()
-
-
-def is_applied() -> bool:
-    return _done
-
-
-def applied_patches() -> List[str]:
-    """``"name: reason (remove when ...)"`` for every patch applied in this process."""
-    by_name = {p.name: p for p in PATCHES}
-    return [f"{n}: {by_name[n].reason} (remove when {by_name[n].remove_when})" for n in _applied]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------------
-
-_CPU = torch.device("cpu")
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-def _cpu_device_kwarg(factory: Callable) -> Callable:
-    @functools.wraps(factory)
-    def wrapped(*args, **kwargs):
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = _CPU
-        return factory(*args, **kwargs)
-
-    return wrapped
-
-
-class _CpuFactoryTorch:
-    """The ``torch`` name as one Megatron module sees it: tensor factories asked for ``device="cuda"``
-    allocate on the CPU instead; every other attribute is the real ``torch``."""
-
-    _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange"})
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._real, name)
-        return _cpu_device_kwarg(attr) if name in self._FACTORIES else attr
-
-
-def _shim_torch_in(module_name: str) -> None:
-    module = importlib.import_module(module_name)
-    if not isinstance(module.torch, _CpuFactoryTorch):
-        module.torch = _CpuFactoryTorch(module.torch)
-
-
-@contextlib.contextmanager
-def _swapped(owner: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
-
-
-def _during(owner: Any, method: str, context: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """Wrap ``owner.method`` so that it runs inside ``context()``."""
-    original = getattr(owner, method)
-    if getattr(original, "_megatron_rl_compat", False):
-        return
-
-    @functools.wraps(original)
-    def wrapped(*args, **kwargs):
-        with context():
-            return original(*args, **kwargs)
-
-    wrapped._megatron_rl_compat = True
-    setattr(owner, method, wrapped)
-
-
-_real_tensor_type = torch.Tensor.type
-
-
-def _cuda_type_names(self: torch.Tensor, *args, **kwargs):
-    # Only the no-argument form (a type *query*) is rewritten; conversions pass through.
-    name = _real_tensor_type(self, *args, **kwargs)
-    if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and not self.is_cuda:
-        return "torch.cuda." + name[len("torch.") :]
-    return name
-
-
-def _cuda_type_queries() -> contextlib.AbstractContextManager:
-    return _swapped(torch.Tensor, "type", _cuda_type_names)
-
-
-def _tensor_cuda_is_identity() -> contextlib.AbstractContextManager:
-    return _swapped(torch.Tensor, "cuda", lambda self, *a, **k: self)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Patches (applied in this order)
-# ---------------------------------------------------------------------------------------------------
+from megatron_rl.compat.registry import _CPU, _cuda_type_queries, _during, _patch, _shim_torch_in, _tensor_cuda_is_identity
 
 
 @_patch(
@@ -498,4 +332,3 @@ def _mla_without_transformer_engine() -> None:
 
 
 # The patches only newer megatron-core releases need (registered on import, after the ones above).
-from megatron_rl import compat_mcore019 as _compat_mcore019  # noqa: E402,F401

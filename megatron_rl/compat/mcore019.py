@@ -1,7 +1,7 @@
 """CPU patches that only megatron-core >= 0.17 needs (the tested range's upper end is 0.19.2).
 
-Registered into :data:`megatron_rl.compat.PATCHES` when :mod:`megatron_rl.compat` is imported, applied
-by :func:`megatron_rl.compat.apply` like the others (after them, CPU only). Each one is a no-op on
+Registered into the registry when :mod:`megatron_rl.compat` is imported, applied by
+:func:`megatron_rl.compat.apply` like the others (after them, CPU only). Each one is a no-op on
 0.16.1, where the code it works around does not exist.
 """
 
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from megatron_rl.compat import _during, _patch, _swapped
+from megatron_rl.compat.registry import _during, _patch, _swapped
 
 
 class _NoStream:
