@@ -16,7 +16,7 @@ if [ "${WITH_SLURM:-0}" = 1 ]; then
   STARTED=$STARTED bash scripts/setup_slurm.sh
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"
 if [ "$#" -eq 0 ] && [ "${MCORE_UPPER:-1}" = 1 ]; then
   # The other end of setup.py's megatron-core range (>=0.16.1,<0.20; .venv resolves 0.16.1 on Python 3.11):
   # the core trainer tests on 0.19.2 in a venv of their own (MCORE_UPPER=0 skips this step).
