@@ -14,8 +14,13 @@ Tour (each sub-package's ``__init__`` has its own):
   data/           prompt datasets, sampler, rewards in sandboxed workers, the tiny arithmetic task
   orchestration/  Ray workers and placement, the driver loop and its phases, rollout modes, recovery
   launch/         SLURM sbatch rendering, Ray cluster helpers
+  bench/          ``megatron-rl bench``: synthetic-workload throughput runs, sweeps, their tables and plots
+  plan/           ``megatron-rl plan``: the step-time cost model, device table, calibration, ranking
   cli/            ``megatron-rl <command>``: one module per sub-command
   config/         the typed run config (no torch): sections, the rollout section's key aliases, loading, checks
+  yaml_safe.py    the bounded YAML loader (depth, aliases, duplicate keys, huge integers, encoding)
+  preflight.py    the checked loader: config, files and the output folder before anything starts
+  run_dir.py, pids.py  one run per output folder (lock), nothing of a previous run overwritten
   config_io.py    dataclass <-> YAML / dotted overrides, type-checked, every problem at once
   lr_schedules.py learning-rate schedules incl. the response-length-surge decay
   parallel.py     torch.distributed + Megatron parallel_state set-up; explicit process groups

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from megatron_rl.config_io import ConfigError
+from megatron_rl.pids import pid_alive
 
 logger = logging.getLogger(__name__)
 LOCK_NAME = ".megatron_rl.lock"
@@ -39,16 +40,6 @@ def _start_time(pid: int) -> Optional[str]:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _owner_alive(owner: Dict[str, Any]) -> Optional[bool]:
     """True / False for a lock of this host; None: another host's (cannot be checked from here)."""
     if not isinstance(owner.get("pid"), int):
@@ -56,7 +47,7 @@ def _owner_alive(owner: Dict[str, Any]) -> Optional[bool]:
     if owner.get("host") != socket.gethostname():
         return None
     pid = owner.get("pid")
-    if not isinstance(pid, int) or pid <= 0 or not _alive(pid):
+    if not isinstance(pid, int) or pid <= 0 or not pid_alive(pid):
         return False
     started = owner.get("started")
     return started is None or _start_time(pid) in (None, started)

@@ -14,6 +14,7 @@ import re
 from typing import List, Optional
 
 from megatron_rl.rollout.client import wire
+from megatron_rl.pids import pid_alive
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(re.escape(wire.WEIGHT_FILE_PREFIX) + r"(\d+)-.*\.safetensors$")
@@ -22,16 +23,6 @@ _NAME = re.compile(re.escape(wire.WEIGHT_FILE_PREFIX) + r"(\d+)-.*\.safetensors$
 def file_prefix() -> str:
     """The prefix of this process's weight files (``tempfile.mkstemp(prefix=...)``)."""
     return f"{wire.WEIGHT_FILE_PREFIX}{os.getpid()}-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale(directory: Optional[str] = None) -> List[str]:
@@ -45,7 +36,7 @@ def remove_stale(directory: Optional[str] = None) -> List[str]:
         return removed
     for name in names:
         m = _NAME.match(name)
-        if not m or _alive(int(m.group(1))):
+        if not m or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
         try:
