@@ -102,3 +102,25 @@ def test_stopped_engine_and_trainer_rank_are_caught_within_their_bounds_and_resu
     failed = [(f.fault, f.exit_code, f.detail) for f in res.faults if not f.survived]
     assert not failed, failed
     assert res.metrics_equal, res.differences[:10]
+
+
+# every server case but the dead port's (its 30 s connect deadline): ~5 s (the full list: python tools/chaos.py --inputs)
+SERVER_SKIPPED = "/init_weights_update_group to a dead port"
+SERVER_ACCEPTED = {"top_k 10**20 (int)", "top_k 2**63", "temperature 1e-45", "temperature 1e-300",  # as SGLang does
+                   "stop_token_ids [10**30]", "top_logprobs_num 10**20", "logprob_start_len 10**20"}
+
+
+def test_server_bad_inputs_are_counted_with_the_others(tmp_path, assets):
+    """Issue 28: the rollout server's bad requests are a class of chaos.py's bad inputs, each against one embedded
+    server next to a well-formed request that must still answer 200: a 4xx with a message (a valid 2xx where
+    SGLang accepts the input too), no 5xx, no hang, the server neither paused nor writing outside its folder."""
+    assert chaos.INPUT_CLASSES["rollout server"] is chaos.server_inputs
+    names = [n for n, _ in chaos._chaos_server().server_cases(("w", (1,)), str(tmp_path)) if n != SERVER_SKIPPED]
+    results = chaos.server_inputs(str(tmp_path / "server"), assets, names=names)
+    assert sorted(r.name for r in results) == sorted(names) and len(names) >= 50
+    counts = chaos.input_counts(results)
+    assert counts == dict(tried=len(names), clear=len(names), tracebacks=0, hangs=0, data_lost=0), \
+        [(r.name, r.exit_code, r.message) for r in results if not r.clear or r.traceback or r.hang or r.data_lost]
+    accepted = {r.name for r in results if r.exit_code == 200}
+    assert accepted == SERVER_ACCEPTED, accepted  # every other case is refused with a 4xx and a message
+    assert all(400 <= r.exit_code < 500 and r.message for r in results if r.name not in SERVER_ACCEPTED)
