@@ -3,6 +3,8 @@
 * bad inputs: every case of ``chaos.BAD_INPUTS`` (types, values, data files, model files, custom rewards, output
   directories, resume pointers, remote servers, what only a start can tell) ends with exit 2 and one line per
   problem naming the field or file, never a traceback, and leaves a previous run's files as they were;
+* the rollout server's bad requests (``chaos.INPUT_CLASSES['rollout server']``, issue 28): each a 4xx with a
+  message or a valid 2xx, while another client's request still answers 200;
 * a cold GRPO start whose first steps have no signal (dynamic sampling drops every group): it checkpoints before
   any optimizer step, warns about the steps that changed nothing (with their real step numbers, no loss), and
   resumes; updates that would make the weights non-finite are rolled back and reported the same way;
