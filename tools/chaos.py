@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -451,6 +452,32 @@ def _sentinel_outputs(out: str) -> Dict[str, str]:
     return files
 
 
+DRY_RUN_S = 120  # an in-process --dry-run takes seconds; past this it hangs (a FIFO read, /dev/zero)
+
+
+class _Hang(BaseException):  # not an Exception: the code under test must not swallow it
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """SIGALRM after ``seconds`` raises :class:`_Hang` (it interrupts a blocking read too); main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise _Hang()
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check_input(case: Case, work: str, a: Dict[str, str]) -> InputResult:
     from megatron_rl import cli
 
@@ -479,8 +506,10 @@ def check_input(case: Case, work: str, a: Dict[str, str]) -> InputResult:
     else:
         err = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), _deadline(DRY_RUN_S):
                 code = cli.main(["train", recipe, *args, "--dry-run"])
+        except _Hang:
+            return InputResult(case.name, None, False, False, False, f"no answer within {DRY_RUN_S} s", hang=True)
         except SystemExit as e:  # argparse
             code = e.code
         except Exception as e:  # noqa: BLE001 - what a user would see as a traceback

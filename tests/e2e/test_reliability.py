@@ -126,3 +126,17 @@ def test_server_bad_inputs_are_counted_with_the_others(tmp_path, assets):
     accepted = {r.name for r in results if r.exit_code == 200}
     assert accepted == SERVER_ACCEPTED, accepted  # every other case is refused with a 4xx and a message
     assert all(400 <= r.exit_code < 500 and r.message for r in results if r.name not in SERVER_ACCEPTED)
+
+
+def test_a_dry_run_that_blocks_is_counted_as_a_hang_not_waited_on(tmp_path, assets, monkeypatch):
+    """A bad input whose --dry-run blocks (a FIFO nobody writes, as data.path once did) ends the case as a hang
+    after chaos.DRY_RUN_S instead of blocking the campaign."""
+    from megatron_rl import cli
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    monkeypatch.setattr(chaos, "DRY_RUN_S", 1)
+    monkeypatch.setattr(cli, "main", lambda argv: open(fifo).read())
+    r = chaos.check_input(chaos.Case("blocks", [], "never"), str(tmp_path / "work"), assets)
+    assert (r.hang, r.clear, r.traceback, r.data_lost) == (True, False, False, False), r
+    assert chaos.input_counts([r])["hangs"] == 1
