@@ -17,7 +17,8 @@
   (memory released) is detected within ``rollout.control_timeout_s`` and recovered in the run; a SIGSTOPped trainer
   rank is named in a warning within ``cluster.stall_warn_s``, stops the run with one line after
   ``cluster.stall_fail_s``, and ``resume=true`` ends with the uninterrupted run's metrics.
-* Further bad-input classes register in :data:`INPUT_CLASSES` and are counted the same way.
+* Further bad-input classes register in :data:`INPUT_CLASSES` and are counted the same way, summed in one table;
+  ``rollout server``: ``tools/chaos_server.py``'s requests against one embedded server (issue 28).
 
 Prints markdown tables and writes ``bench_results/chaos.json``. ``tests/e2e/test_reliability.py`` runs both.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -34,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -437,6 +440,7 @@ class InputResult:
     traceback: bool
     data_lost: bool
     message: str = ""
+    hang: bool = False  # no answer within the case's deadline
 
 
 def _sentinel_outputs(out: str) -> Dict[str, str]:
@@ -446,6 +450,32 @@ def _sentinel_outputs(out: str) -> Dict[str, str]:
     for name, text in files.items():
         _write(os.path.join(out, name), text)
     return files
+
+
+DRY_RUN_S = 120  # an in-process --dry-run takes seconds; past this it hangs (a FIFO read, /dev/zero)
+
+
+class _Hang(BaseException):  # not an Exception: the code under test must not swallow it
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """SIGALRM after ``seconds`` raises :class:`_Hang` (it interrupts a blocking read too); main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise _Hang()
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def check_input(case: Case, work: str, a: Dict[str, str]) -> InputResult:
@@ -466,15 +496,20 @@ def check_input(case: Case, work: str, a: Dict[str, str]) -> InputResult:
     before = _sentinel_outputs(outputs) if not os.path.isfile(outputs) and outputs.startswith(work) else {}
     traceback, code, text = False, None, ""
     if case.run:
-        proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", recipe, *args], cwd=REPO, env=env(),
-                              capture_output=True, text=True, timeout=600)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", recipe, *args], cwd=REPO,
+                                  env=env(), capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return InputResult(case.name, None, False, False, False, "no exit within 600 s", hang=True)
         code, text = proc.returncode, proc.stderr
         traceback = "Traceback (most recent call last)" in text
     else:
         err = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), _deadline(DRY_RUN_S):
                 code = cli.main(["train", recipe, *args, "--dry-run"])
+        except _Hang:
+            return InputResult(case.name, None, False, False, False, f"no answer within {DRY_RUN_S} s", hang=True)
         except SystemExit as e:  # argparse
             code = e.code
         except Exception as e:  # noqa: BLE001 - what a user would see as a traceback
@@ -707,21 +742,57 @@ def stall_faults(work: str, a: Dict[str, str], steps: int = 2, log: Callable[[st
     return res
 
 
-# Other bad-input classes (e.g. requests against the rollout server) plug in here: name -> (work dir, assets) ->
-# their results; main() counts each class like BAD_INPUTS.
-INPUT_CLASSES: Dict[str, Callable[[str, Dict[str, str]], List[InputResult]]] = {}
+def _chaos_server():
+    """tools/chaos_server.py, loaded by path (tools/ is not a package; this file is also loaded by path)."""
+    if "chaos_server" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("chaos_server", os.path.join(REPO, "tools", "chaos_server.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["chaos_server"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["chaos_server"]
+
+
+def server_inputs(work: str, a: Dict[str, str], names: Optional[List[str]] = None) -> List[InputResult]:
+    """``chaos_server.server_cases()`` against one embedded server (tiny Qwen3, started once), each next to a
+    well-formed request: a 4xx with a message, or a valid 2xx where SGLang accepts the input too, is clear; a 5xx,
+    invalid JSON or the other client's request failing is a traceback; the server left paused or unhealthy, or a
+    file written outside its folder, counts as data lost (state changed by a bad request)."""
+    return [InputResult(r["case"], r["status"], r["verdict"] in ("clear", "accepted"), r["verdict"] == "traceback",
+                        r["verdict"] == "broken", r["message"][:300], hang=r["verdict"] == "hang")
+            for r in _chaos_server().campaign(work, names=names)]
+
+
+# Bad-input classes besides BAD_INPUTS: name -> (work dir, assets) -> their results; main() counts each like
+# BAD_INPUTS and sums them in one table.
+INPUT_CLASSES: Dict[str, Callable[[str, Dict[str, str]], List[InputResult]]] = {"rollout server": server_inputs}
+INPUT_COLUMNS = ("tried", "clear", "tracebacks", "hangs", "data_lost")
+INPUT_HEADER = "tried | clear one-line errors (or valid 2xx) | tracebacks | hangs | data lost"
+
+
+def input_counts(results: List[InputResult]) -> Dict[str, int]:
+    return dict(tried=len(results), clear=sum(r.clear for r in results), tracebacks=sum(r.traceback for r in results),
+                hangs=sum(r.hang for r in results), data_lost=sum(r.data_lost for r in results))
 
 
 def _print_inputs(title: str, results: List[InputResult]) -> Dict[str, int]:
-    print(f"| {title} | exit | clear one-line error | traceback | data lost |\n|---|---|---|---|---|")
+    print(f"| {title} | exit | clear | traceback | hang | data lost | message |\n|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r.name} | {r.exit_code} | {'yes' if r.clear else 'NO'} | {'YES' if r.traceback else 'no'} | "
-              f"{'YES' if r.data_lost else 'no'} |")
-    counts = dict(tried=len(results), clear=sum(r.clear for r in results),
-                  tracebacks=sum(r.traceback for r in results), data_lost=sum(r.data_lost for r in results))
-    print(f"\n{title} tried / clear one-line errors / tracebacks / data lost: {counts['tried']} / "
-          f"{counts['clear']} / {counts['tracebacks']} / {counts['data_lost']}\n")
+              f"{'YES' if r.hang else 'no'} | {'YES' if r.data_lost else 'no'} | "
+              f"{r.message[:90].replace('|', '/').replace(chr(10), ' ')} |")
+    counts = input_counts(results)
+    print(f"\n{title}: {INPUT_HEADER}: " + " / ".join(str(counts[k]) for k in INPUT_COLUMNS) + "\n")
     return counts
+
+
+def print_input_summary(per_class: Dict[str, Dict[str, int]]) -> Dict[str, int]:
+    """One table: a row per class and their sum."""
+    total = {k: sum(c[k] for c in per_class.values()) for k in INPUT_COLUMNS}
+    print(f"| bad inputs | {INPUT_HEADER} |\n|---|---|---|---|---|---|")
+    for name, c in [*per_class.items(), ("all", total)]:
+        print(f"| {name} | " + " | ".join(str(c[k]) for k in INPUT_COLUMNS) + " |")
+    print()
+    return total
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -741,15 +812,13 @@ def main() -> int:
     report: Dict[str, object] = {}
     if both or args.inputs:
         results = bad_inputs(os.path.join(args.work, "inputs"), a)
-        print("| bad input | exit | clear one-line error | traceback | data lost |\n|---|---|---|---|---|")
-        for r in results:
-            print(f"| {r.name} | {r.exit_code} | {'yes' if r.clear else 'NO'} | {'YES' if r.traceback else 'no'} | "
-                  f"{'YES' if r.data_lost else 'no'} |")
-        counts = dict(tried=len(results), clear=sum(r.clear for r in results),
-                      tracebacks=sum(r.traceback for r in results), data_lost=sum(r.data_lost for r in results))
-        print(f"\nbad inputs tried / clear one-line errors / tracebacks / data lost: {counts['tried']} / "
-              f"{counts['clear']} / {counts['tracebacks']} / {counts['data_lost']}\n")
-        report["inputs"] = dict(counts=counts, cases=[asdict(r) for r in results])
+        per_class = {"config, data, files": _print_inputs("config, data, files", results)}
+        report["inputs"] = dict(counts=per_class["config, data, files"], cases=[asdict(r) for r in results])
+        for name, fn in INPUT_CLASSES.items():
+            res = fn(os.path.join(args.work, re.sub(r"\W+", "_", name)), a)
+            per_class[name] = _print_inputs(name, res)
+            report[name] = dict(counts=per_class[name], cases=[asdict(r) for r in res])
+        report["input_counts"] = dict(per_class, all=print_input_summary(per_class))
     if both or args.faults:
         chain = fault_chain(os.path.join(args.work, "faults"), a)
         print("| fault | exit | survived | seconds to exit | message |\n|---|---|---|---|---|")
@@ -761,9 +830,6 @@ def main() -> int:
               f"{'yes' if chain.metrics_equal else 'NO'}; listening sockets {len(chain.sockets)}, non-loopback "
               f"{chain.non_loopback}; processes alive 10 s after the driver's kill -9: {chain.lingering_after_kill}")
         report["faults"] = asdict(chain)
-    if both or args.inputs:
-        for name, fn in INPUT_CLASSES.items():
-            report[name] = dict(counts=_print_inputs(name, fn(os.path.join(args.work, name), a)))
     if both or args.stalls:
         st = stall_faults(os.path.join(args.work, "stalls"), a)
         print("| stall fault | exit | survived | seconds | detail |\n|---|---|---|---|---|")

@@ -276,26 +276,39 @@ def tiny_server(profile_dir: str):
     return EmbeddedServer(EmbeddedEngine(model, EmbeddedEngineConfig(seeds="deterministic"))).start()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=os.path.join("bench_results", "chaos_server.json"), help="write the results here")
-    ap.add_argument("--only", default=None, help="run the cases whose name contains this")
-    args = ap.parse_args(argv)
-    work = tempfile.mkdtemp(prefix="chaos-server-")
+def campaign(work: str, names: Optional[List[str]] = None, only: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Start :func:`tiny_server` once (its profiles under ``work``), run the cases (those named in ``names`` /
+    containing ``only``, all without), stop it; a /start_profile that wrote outside ``work/profiles`` is
+    ``broken``."""
+    os.makedirs(work, exist_ok=True)
     outside = os.path.join(work, "outside")
-    os.makedirs(outside)
+    os.makedirs(outside, exist_ok=True)
+    saved = os.environ.get("SGLANG_TORCH_PROFILER_DIR")
     server = tiny_server(os.path.join(work, "profiles"))
     try:
         name, param = next(iter(server.engine.model.named_parameters()))
         host, port = server.httpd.server_address[:2]
         results = [run_case(host, port, n, r) for n, r in server_cases((name, tuple(param.shape)), outside)
-                   if args.only is None or args.only in n]
+                   if (names is None or n in names) and (only is None or only in n)]
     finally:
         server.stop()
+        if saved is None:
+            os.environ.pop("SGLANG_TORCH_PROFILER_DIR", None)
+        else:
+            os.environ["SGLANG_TORCH_PROFILER_DIR"] = saved
     escaped = os.path.exists(os.path.join(work, "escaped-profile"))
     for r in results:
         if escaped and r["case"].startswith("/start_profile output_dir ../"):
             r["verdict"] = "broken"
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=os.path.join("bench_results", "chaos_server.json"), help="write the results here")
+    ap.add_argument("--only", default=None, help="run the cases whose name contains this")
+    args = ap.parse_args(argv)
+    results = campaign(tempfile.mkdtemp(prefix="chaos-server-"), only=args.only)
     print("| case | status | s | good request | /health after | verdict | message |\n|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['case']} | {r['status']} | {r['seconds']} | {r['good_request']} | {r['health_after']} | "

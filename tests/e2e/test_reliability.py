@@ -3,6 +3,8 @@
 * bad inputs: every case of ``chaos.BAD_INPUTS`` (types, values, data files, model files, custom rewards, output
   directories, resume pointers, remote servers, what only a start can tell) ends with exit 2 and one line per
   problem naming the field or file, never a traceback, and leaves a previous run's files as they were;
+* the rollout server's bad requests (``chaos.INPUT_CLASSES['rollout server']``, issue 28): each a 4xx with a
+  message or a valid 2xx, while another client's request still answers 200;
 * a cold GRPO start whose first steps have no signal (dynamic sampling drops every group): it checkpoints before
   any optimizer step, warns about the steps that changed nothing (with their real step numbers, no loss), and
   resumes; updates that would make the weights non-finite are rolled back and reported the same way;
@@ -102,3 +104,39 @@ def test_stopped_engine_and_trainer_rank_are_caught_within_their_bounds_and_resu
     failed = [(f.fault, f.exit_code, f.detail) for f in res.faults if not f.survived]
     assert not failed, failed
     assert res.metrics_equal, res.differences[:10]
+
+
+# every server case but the dead port's (its 30 s connect deadline): ~5 s (the full list: python tools/chaos.py --inputs)
+SERVER_SKIPPED = "/init_weights_update_group to a dead port"
+SERVER_ACCEPTED = {"top_k 10**20 (int)", "top_k 2**63", "temperature 1e-45", "temperature 1e-300",  # as SGLang does
+                   "stop_token_ids [10**30]", "top_logprobs_num 10**20", "logprob_start_len 10**20"}
+
+
+def test_server_bad_inputs_are_counted_with_the_others(tmp_path, assets):
+    """Issue 28: the rollout server's bad requests are a class of chaos.py's bad inputs, each against one embedded
+    server next to a well-formed request that must still answer 200: a 4xx with a message (a valid 2xx where
+    SGLang accepts the input too), no 5xx, no hang, the server neither paused nor writing outside its folder."""
+    assert chaos.INPUT_CLASSES["rollout server"] is chaos.server_inputs
+    names = [n for n, _ in chaos._chaos_server().server_cases(("w", (1,)), str(tmp_path)) if n != SERVER_SKIPPED]
+    results = chaos.server_inputs(str(tmp_path / "server"), assets, names=names)
+    assert sorted(r.name for r in results) == sorted(names) and len(names) >= 50
+    counts = chaos.input_counts(results)
+    assert counts == dict(tried=len(names), clear=len(names), tracebacks=0, hangs=0, data_lost=0), \
+        [(r.name, r.exit_code, r.message) for r in results if not r.clear or r.traceback or r.hang or r.data_lost]
+    accepted = {r.name for r in results if r.exit_code == 200}
+    assert accepted == SERVER_ACCEPTED, accepted  # every other case is refused with a 4xx and a message
+    assert all(400 <= r.exit_code < 500 and r.message for r in results if r.name not in SERVER_ACCEPTED)
+
+
+def test_a_dry_run_that_blocks_is_counted_as_a_hang_not_waited_on(tmp_path, assets, monkeypatch):
+    """A bad input whose --dry-run blocks (a FIFO nobody writes, as data.path once did) ends the case as a hang
+    after chaos.DRY_RUN_S instead of blocking the campaign."""
+    from megatron_rl import cli
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    monkeypatch.setattr(chaos, "DRY_RUN_S", 1)
+    monkeypatch.setattr(cli, "main", lambda argv: open(fifo).read())
+    r = chaos.check_input(chaos.Case("blocks", [], "never"), str(tmp_path / "work"), assets)
+    assert (r.hang, r.clear, r.traceback, r.data_lost) == (True, False, False, False), r
+    assert chaos.input_counts([r])["hangs"] == 1
