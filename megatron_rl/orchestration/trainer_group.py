@@ -60,39 +60,34 @@ class TrainerGroup:
                 return self.progress.wait(refs, on_poll=check)
             return ray.get(refs) if check is None else _wait_checked(refs, check, self.stall.poll_s)
         except ray.exceptions.RayActorError as e:
-            raise self._dead_rank(method, refs, e) from None
+            raise (self._settle(refs, method, 2.0) or failures.actor_death("a trainer rank", {}, method, e)) from None
         except ray.exceptions.RayTaskError as e:
-            self._drain(refs)
+            # a survivor's collective error ("connection closed by peer") is often in before the dead rank's
+            dead = self._settle(refs, method, 60.0)
+            if dead is not None:
+                raise dead from None
             user = failures.from_ray_error(e)
             if user is None:
                 raise
             raise user from None
 
-    @staticmethod
-    def _drain(refs: List[Any]) -> None:
-        """Fetch the other ranks' (agreed) errors too, which Ray would otherwise log as "unhandled": a failed
-        call can be recovered from (engine recovery retries a weight sync)."""
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=60)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception:  # noqa: BLE001
-                pass
-
-    def _dead_rank(self, method: str, refs: List[Any], error: BaseException) -> failures.RunError:
-        """Which rank died (the first whose call failed with a dead actor), with its pid and log tail."""
+    def _settle(self, refs: List[Any], method: str, timeout_s: float) -> Optional[failures.RunError]:
+        """Fetch every rank's outcome within ``timeout_s`` (Ray would log the others' errors as "unhandled"; a
+        failed call can be recovered from: engine recovery retries a weight sync) and name the first rank
+        that died (its pid and log tail), if one did."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
         for rank, ref in enumerate(refs):
-            ready, _ = ray.wait([ref], timeout=0.5)
-            if not ready:
+            if ref not in done:
                 continue
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 who = self.infos[rank] if rank < len(self.infos) else {}
                 return failures.actor_death(f"trainer rank {rank}", who, method, e)
-            except Exception:  # noqa: BLE001 - another rank's failure; keep looking for the dead one
+            except Exception:  # noqa: BLE001 - another rank's (agreed) failure
                 continue
-        return failures.actor_death("a trainer rank", {}, method, error)
+        return None
 
     def _rank0(self, method: str, *args: Any) -> Any:
         return self._call(method, *args)[0]

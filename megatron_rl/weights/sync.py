@@ -95,6 +95,7 @@ class SyncStats:
     link_bytes: List[int] = field(default_factory=list)  # per trainer rank (group rank): bytes it sent
     link_seconds: List[float] = field(default_factory=list)  # per trainer rank: from its start to its last byte
     transaction: Any = None  # a weights.transaction.TransactionReport (TransactionalSync): per engine, per phase
+    flush_refused: int = 0  # engines that refused /flush_cache after this sync (an in-place pause: old-weights KV kept)
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -325,6 +326,7 @@ class WeightSync:
         error: Optional[BaseException] = None
         # Producing a bucket runs collectives, so the engine must pull buckets from this thread, one at a
         # time (EmbeddedEngine and RemoteEngine do; RemoteEngine's pool threads only do the HTTP calls).
+        refused_before = sum(getattr(consumer, "flush_refused", ()))
         try:
             consumer.update_weights(meter.wrap(iter_buckets(source, self.config.bucket_bytes, self.dtype)), version)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the drain
@@ -341,7 +343,8 @@ class WeightSync:
         return SyncStats(version=version, seconds=0.0, transfer_seconds=0.0, gather_seconds=meter.gather_s,
                          bytes=sum(meter.bucket_bytes), buckets=len(meter.bucket_bytes),
                          tensors=sum(meter.bucket_tensors), dtype=dtype_name(self.dtype),
-                         bucket_bytes=meter.bucket_bytes, bucket_tensors=meter.bucket_tensors)
+                         bucket_bytes=meter.bucket_bytes, bucket_tensors=meter.bucket_tensors,
+                         flush_refused=sum(getattr(consumer, "flush_refused", ())) - refused_before)
 
     def _stream_deadline(self):
         return None  # TransactionalSync: the transaction's deadline

@@ -112,6 +112,8 @@ class TransactionalSync(WeightSync):
         txn, engine = self._txn, self.engine
 
         class _Stager:
+            flush_refused = property(lambda _: getattr(engine, "flush_refused", ()))  # SyncStats.flush_refused
+
             def update_weights(self, buckets, version):
                 engine.stage_weights(buckets, txn)
 

@@ -69,4 +69,5 @@ def test_partial_rollouts_keep_the_bound_and_resume(tmp_path, assets):
         assert m["rollout/staleness_max"] <= 2.0 and m["rollout/staleness_mean"] <= m["rollout/staleness_max"]
         assert sum(m[f"rollout/staleness_frac_{j}"] for j in range(3)) == pytest.approx(1.0)
         assert 0.0 <= m["rollout/partial_frac"] <= 1.0 and math.isfinite(m["train/loss"])
+        assert m["sync/flush_refused"] == 0.0  # the retract pause lets every sync flush the prefix cache (N1)
     assert lines[-1]["train/optimizer_step"] == 4.0

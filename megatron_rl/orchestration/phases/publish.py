@@ -60,6 +60,7 @@ class WeightPublisher:
             with self.timer.phase("weight_sync"):
                 stats = self._sync(step)
         out = {"sync/seconds": stats.seconds, "sync/mib": stats.bytes / 2**20, "sync/buckets": float(stats.buckets),
+               "sync/flush_refused": float(stats.flush_refused),  # > 0: a prefix cache kept old-weights KV (N1)
                **stats.link_metrics(prefix="sync/")}  # sync/link<r>/bytes, /gb_per_s: per sending trainer rank
         if stats.check is not None:
             out["sync/probe_max_abs_diff"] = stats.check.max_abs_diff

@@ -258,8 +258,8 @@ class RemoteEngine(TransactionalUpdates, WeightGroupHost, RolloutEngine):
         except RequestRejected as e:
             if self.pause_mode is None:
                 raise
-            with self._lock:
-                i = self.clients.index(client)
+            with self._lock:  # by url: a transaction calls through a copy of the client (its own deadline)
+                i = [c.url for c in self.clients].index(client.url)
                 self.flush_refused[i] += 1
             log.warning("%s refused /flush_cache after the weight update (%s): its prefix cache keeps KV computed by "
                         "the old weights for the requests that follow (%d such syncs; pause_mode=%r -- 'retract' "
