@@ -146,7 +146,10 @@ def _tiled_grads(h: torch.Tensor, weight: torch.Tensor, nv: int, tile: Tuple[int
     if not (nv and rows):
         return grad_h, grad_w.result()
     r_max, c_max = tile
-    buf = torch.empty(r_max, c_max, dtype=h.dtype, device=h.device)  # a narrower last slice keeps its stride
+    # A narrower last slice keeps the buffer's stride. Zeroed, not empty: torch 2.13's CPU bf16 matmul reads an
+    # operand's row up to its stride (masked by zeros), so a NaN bit pattern left past the slice turns into NaN
+    # gradients (~1 backward in 4 in tests/unit/test_ops_linear.py); later tiles only leave finite values there.
+    buf = torch.zeros(r_max, c_max, dtype=h.dtype, device=h.device)
     acc_dtype = _acc_dtype(h.dtype)
     acc = torch.empty(r_max, width, dtype=acc_dtype, device=h.device) if want_h and acc_dtype != h.dtype else None
     w = weight[:nv]
