@@ -137,3 +137,31 @@ def test_real_sglang_round_trip(tmp_path):
         a = client.generate_one(GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=8, seed=1)))[0]
         b = client.generate_one(GenerateRequest((1, 2, 3), SamplingParams(max_new_tokens=8, seed=1)))[0]
         assert a.response_ids == b.response_ids and len(a.logprobs) == len(a.response_ids)
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced(model_dir, tmp_path, monkeypatch, caplog):
+    """free_port's port can be bound by another process before the server starts: the launch tries a new one (CI
+    saw "Address already in use" fail a whole run); a port the caller chose is not replaced."""
+    import socket
+
+    from megatron_rl.rollout.client import process
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy])
+    real = process.free_port
+    monkeypatch.setattr(process, "free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
+    try:
+        with caplog.at_level("WARNING", logger=process.__name__):
+            server = launch_embedded_server(str(model_dir), str(tmp_path / "server.log"))
+        try:
+            assert server.url != f"http://127.0.0.1:{busy}" and server.alive()
+            assert f"port {busy} was taken" in caplog.text
+        finally:
+            server.stop()
+        with pytest.raises(ServerLaunchError, match="Address already in use"):
+            launch_embedded_server(str(model_dir), str(tmp_path / "server2.log"), port=busy)
+    finally:
+        taken.close()

@@ -7,6 +7,7 @@ process group -- only the group this object started, by id.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,8 @@ from typing import Dict, List, Optional
 
 from megatron_rl.rollout.client.http_client import RetryPolicy, SGLangClient
 from megatron_rl.rollout.client.proc_state import stopped_in_group
+
+log = logging.getLogger(__name__)
 
 
 class ServerLaunchError(RuntimeError):
@@ -121,15 +124,23 @@ def launch_embedded_server(model_path: str, log_path: str, port: Optional[int] =
                            seed: int = 0, deterministic: bool = True, health_timeout_s: float = 120.0,
                            extra_args: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None) -> ManagedServer:
     """Start ``python -m megatron_rl.rollout.embedded.server`` for ``model_path`` and wait until it is healthy
-    (``env``: variables set on top of this process's environment)."""
-    port = port or free_port(host)
+    (``env``: variables set on top of this process's environment). A port we chose (``port=None``) can be taken by
+    another process between choosing and binding: the launch then retries on a new port (up to 3 tries)."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    argv = [sys.executable, "-m", "megatron_rl.rollout.embedded.server", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), "--random-seed", str(seed), *(["--enable-deterministic-inference"] if deterministic
-                                                               else []), *(extra_args or [])]
-    server = ManagedServer(argv, f"http://{host}:{port}", log_path, env=env, health_timeout_s=health_timeout_s,
-                           name="embedded rollout server")
-    return server.start()
+    for attempt in range(1, 4):
+        chosen = port or free_port(host)
+        argv = [sys.executable, "-m", "megatron_rl.rollout.embedded.server", "--model-path", str(model_path),
+                "--host", host, "--port", str(chosen), "--random-seed", str(seed),
+                *(["--enable-deterministic-inference"] if deterministic else []), *(extra_args or [])]
+        server = ManagedServer(argv, f"http://{host}:{chosen}", log_path, env=env, health_timeout_s=health_timeout_s,
+                               name="embedded rollout server")
+        try:
+            return server.start()
+        except ServerLaunchError as e:
+            if port is not None or attempt == 3 or "Address already in use" not in str(e):
+                raise
+            log.warning("port %d was taken before the embedded rollout server bound it; trying another", chosen)
+    raise AssertionError("unreachable")
