@@ -19,6 +19,8 @@ import pytest
 from megatron_rl.launch.ray_cluster import find_cluster_processes
 from megatron_rl.launch.slurm import SlurmConfig, ray_ports, render_sbatch
 
+from run_helpers import TINY_RECIPE, nontrivial, quick_assets
+
 # The program the job runs as its train command: connects to the job's Ray cluster, places one
 # actor per node, records what it saw. argv: marker path, expected nodes.
 PROBE = r'''
@@ -166,4 +168,38 @@ def test_bad_interface_fails_fast_with_the_reason(tmp_path, job_nodes):
     assert state.get("JobState") == "FAILED" and state.get("ExitCode") == "1:0", log
     assert "network_interface=nope0 has no IPv4 address" in log and "ERROR: no head address" in log, log
     assert time.monotonic() - t0 < 30
+    _assert_cleaned_up(job_id, cfg, log)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_sweep_in_a_two_node_job_writes_the_scaling_table(tmp_path, job_nodes):
+    """``megatron-rl bench --sweep`` as the command of a two-node job (the same command as on one machine, on the
+    job's Ray: ``cluster.address=auto``): both points run, each with its own bench folder, and the scaling table
+    and plot compare them (colocated on 2 devices, disaggregated on 3: with two CPUs per node, it spans both)."""
+    if job_nodes < 2:
+        pytest.skip("needs two SLURM nodes (scripts/setup_slurm.sh sets up two)")
+    assets = quick_assets(tmp_path / "assets")
+    out = tmp_path / "sweep"
+    command = " ".join(shlex.quote(a) for a in [
+        sys.executable, "-m", "megatron_rl.cli", "bench", TINY_RECIPE, "prepare.kind=none",
+        f"model.hf_path={assets['student']}", "rollout.prompts_per_step=4", "bench.prompt_len=fixed:6",
+        "bench.response_len=fixed:4", "cluster.address=auto", "--steps", "1", "--warmup", "1", "--no-progress",
+        "--out", str(out), "--sweep", "rollout.placement=colocated,disaggregated"])
+    env = ["export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false"]
+    job_id, cfg = _submit(tmp_path, command, 2, cpus_per_task=2, time="15",
+                          setup=[f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH", *env])
+    state = _wait_gone(job_id, 840)
+    log = _output(tmp_path, job_id)
+    assert state.get("JobState") == "COMPLETED" and state.get("ExitCode") == "0:0", log[-6000:]
+    assert "2 nodes joined" in log
+    points = json.loads((out / "scaling.json").read_text())["points"]
+    assert [(p["name"], p["devices"]) for p in points] == [("placement=colocated", 2), ("placement=disaggregated", 3)]
+    for p in points:
+        bench = json.loads((out / p["name"] / "bench.json").read_text())
+        assert bench["timed_steps"] == [2] and bench["stats"]["time/step"]["median"] > 0
+        assert p["stats"]["perf/tokens_per_s_per_gpu"] > 0
+    table = (out / "scaling.md").read_text()
+    assert "| placement=disaggregated | 3 |" in table and "efficiency vs linear" in table
+    assert nontrivial(out / "scaling.png")
     _assert_cleaned_up(job_id, cfg, log)
