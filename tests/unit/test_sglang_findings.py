@@ -207,6 +207,7 @@ def test_n1_flush_needs_sglangs_idleness_and_a_refusal_is_counted(server, monkey
     assert "refused /flush_cache" in caplog.text and "old weights" in caplog.text
     # the transaction stages through per-call copies of the client: the refusal is counted the same, the engine
     # stays in the transaction (a refused flush is not a failed stage)
+    in_place.shutdown()
     in_place = RemoteEngine([SGLangClient(server.url, retry=FAST)], pause_mode="in_place", weight_transport="tensor")
     txn = in_place.begin_transaction(2, 60.0)
     in_place.stage_weights([list(_model(2).state_dict().items())], txn)
