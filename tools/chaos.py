@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules below (tools/ is no package)
 
 from chaos_inputs import (  # noqa: E402,F401  (re-exported: tests/e2e/test_reliability.py reads them here)
-    BAD_INPUTS, DRY_RUN_S, INPUT_CLASSES, Case, InputResult, _chaos_server, _print_inputs, _truncate, bad_inputs,
+    BAD_INPUTS, INPUT_CLASSES, Case, InputResult, _chaos_server, _print_inputs, _truncate, bad_inputs,
     check_input, input_counts, print_input_summary, server_inputs,
 )
 from chaos_run import (  # noqa: E402,F401

@@ -135,7 +135,7 @@ def test_a_dry_run_that_blocks_is_counted_as_a_hang_not_waited_on(tmp_path, asse
 
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
-    monkeypatch.setattr(chaos, "DRY_RUN_S", 1)
+    monkeypatch.setattr(sys.modules["chaos_inputs"], "DRY_RUN_S", 1)  # where check_input reads it
     monkeypatch.setattr(cli, "main", lambda argv: open(fifo).read())
     r = chaos.check_input(chaos.Case("blocks", [], "never"), str(tmp_path / "work"), assets)
     assert (r.hang, r.clear, r.traceback, r.data_lost) == (True, False, False, False), r
