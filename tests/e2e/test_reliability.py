@@ -130,7 +130,7 @@ def test_server_bad_inputs_are_counted_with_the_others(tmp_path, assets):
 
 def test_a_dry_run_that_blocks_is_counted_as_a_hang_not_waited_on(tmp_path, assets, monkeypatch):
     """A bad input whose --dry-run blocks (a FIFO nobody writes, as data.path once did) ends the case as a hang
-    after chaos.DRY_RUN_S instead of blocking the campaign."""
+    after chaos_inputs.DRY_RUN_S instead of blocking the campaign."""
     from megatron_rl import cli
 
     fifo = str(tmp_path / "fifo")
