@@ -1,32 +1,29 @@
 #!/usr/bin/env python
-"""Benchmark: rollout modes side by side -- ``sync``, ``one_step``, ``async`` (max_staleness 1 and 2).
+"""Benchmark: rollout modes side by side -- ``sync``, ``one_step``, ``async`` (max_staleness 1 and 2): a thin
+wrapper of ``megatron-rl bench`` (one bench per mode and repeat, its table and JSON in ``--work``/<mode>), which
+adds only the pinning of processes to cores and the side-by-side table.
 
 Throughput (default): a long-tail workload on the tiny recipe's (random, untrained) student, disaggregated on
-CPU: one trainer process (TP=1) and one embedded engine process, 8 prompts x 8 samples per step. A response
-stops at EOS or token 38 (~3 % of the student's samples per token) or at the 192-token cap: lengths are
-geometric, median 22 and mean 31 tokens, and the longest of a step's 64 is 4-8x its median (measured on 512
-samples: 4.3-8.1x, 5.8x on average) -- the engines' long tail. A sync step then spends ~55 % of its time
-generating, as RL at scale does. The student's 64-position context is widened to 256 for this (RoPE: the
-weights stand). ``--prompts 16 --stop-tokens 6 --max-new-tokens 48`` is the short workload: six more stop
-tokens (~13 % per token), median ~6, cap 48; a sync step there is ~60 % training, which bounds what any overlap
-can gain (see the README). Dynamic sampling is off and the learning rate tiny, so the length distribution stays
-put while the modes are timed. Each mode runs ``--steps`` steps through ``megatron-rl train`` (its own process,
-its own Ray); the first two steps (start-up, pipeline fill) and the last (the final checkpoint) are not timed.
-Per mode: steps/s, generated and trained tokens/s, the engine's and the trainer's idle fractions, staleness, and
-the sequences spanning versions.
-The recipe's optional gain diagnostic (one more forward per step; off by default) is off, as are evaluation and
-checkpoints: the modes are timed on the training work itself.
+CPU: one trainer process (TP=1) and one embedded engine process, 8 prompts x 8 samples per step, prompts of 8
+tokens, responses drawn from ``lognormal:mean=31,sigma=0.8,cap=192`` (median ~22 tokens; the longest of a
+step's 64 ~4-8x its median: the engines' long tail) and generated to their drawn length. A sync step then
+spends over 40 % of its time generating, as RL at scale does. The student's 64-position context is widened to 256
+for this (RoPE: the weights stand). ``--response-len fixed:6`` or any bench length spec changes the workload.
+The learning rate is tiny and the optional gain diagnostic off: the modes are timed on the training work itself.
+Per mode (the bench's medians over the timed steps; ``--warmup`` steps, start-up and pipeline fill, untimed):
+steps/s (1 / median step time), tokens/s/GPU, generated tokens/s per engine, the engine's and the trainer's idle
+fractions, staleness and the sequences spanning versions.
 
 Disaggregated means the engine and the trainer have their own device. On a CPU machine the bench emulates that
 by pinning the engine server's process to one core and the trainer's to another (``--pin``, the default when the
 machine has 2+ cores; every thread, the whole run, every mode alike); the driver and Ray float. ``--no-pin``
 lets them share the cores, so async's overlap also makes them compete for the same cores.
 
-Reward curves (``--curves``): the tiny recipe itself (imitation warm-up, then GRPO with dynamic sampling and
-token TIS; examples/tiny_cpu.yaml), disaggregated, ``sync`` vs ``async`` (max_staleness 1, partial): greedy
-eval reward every 10 steps.
+Reward curves (``--curves``; not a throughput figure, so ``megatron-rl train`` itself): the tiny recipe
+(imitation warm-up, then GRPO with dynamic sampling and token TIS; examples/tiny_cpu.yaml), disaggregated,
+``sync`` vs ``async`` (max_staleness 1, partial): greedy eval reward every 10 steps.
 
-  python tools/bench_async.py                 # 5 modes x 3 runs, ~10 min on 2 quiet cores
+  python tools/bench_async.py                 # 5 modes x 3 benches, ~8 min on 2 cores
   python tools/bench_async.py --curves        # + the reward curves (~15 min)
   python tools/bench_async.py --curves-only --curve-seeds 2   # two seeds of each mode: sync's own spread is the noise
 Prints markdown tables (with the machine's load average); writes JSON to --out
@@ -39,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -52,7 +48,6 @@ sys.path.insert(0, str(REPO))
 from megatron_rl.metrics import read_metrics  # noqa: E402
 
 RECIPE = str(REPO / "examples" / "tiny_cpu.yaml")
-STOP_TOKENS = [38, 29, 20, 36, 18, 4]  # the student's most sampled tokens; with EOS (2): 1 ~3 %, all 6 ~13 %
 MODES = {
     "sync": ["rollout.mode=sync"],
     "one_step": ["rollout.mode=one_step"],
@@ -66,11 +61,10 @@ def load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def run(args, out_dir: Path, overrides) -> list:
+def run(args, cmd) -> None:
+    """``python -m megatron_rl.cli CMD...`` (disaggregated), its engine and trainer pinned with ``--pin``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", RECIPE, f"logging.output_dir={out_dir}", "overwrite=true",
-           "logging.progress=false", "logging.tensorboard=false", "logging.print_samples=0",
-           "checkpoint.save_hf=false", "rollout.placement=disaggregated", *overrides]
+    cmd = [sys.executable, "-m", "megatron_rl.cli", *cmd, "rollout.placement=disaggregated"]
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pinner = threading.Thread(target=pin_roles, args=(proc,), daemon=True) if args.pin else None
     if pinner:
@@ -82,7 +76,6 @@ def run(args, out_dir: Path, overrides) -> list:
         raise
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")
-    return read_metrics(str(out_dir))
 
 
 ROLES = {"megatron_rl.rollout.embedded.server": 0, "ray::TrainerWorker": 1}  # cmdline marker -> core
@@ -91,7 +84,7 @@ ROLES = {"megatron_rl.rollout.embedded.server": 0, "ray::TrainerWorker": 1}  # c
 def pin_roles(proc: subprocess.Popen) -> None:
     """Pin every thread of the run's engine server to core 0 and of its trainer worker to core 1, until the run
     ends (threads started later inherit the pin of the thread that starts them; the scan catches the rest)."""
-    from tools.chaos import descendants  # the run's processes: Ray's raylet is the driver's child, workers its
+    from tools.chaos_run import descendants  # the run's processes: Ray's raylet is the driver's child, workers its
 
     while proc.poll() is None:
         for pid, cmdline in descendants(proc.pid).items():
@@ -117,21 +110,23 @@ def long_context_student(student: str, positions: int) -> str:
 
 
 def throughput(args, assets) -> dict:
-    if 8 + args.max_new_tokens > 256:
-        raise SystemExit(f"--max-new-tokens {args.max_new_tokens}: at most 248 (8 prompt tokens, 256 positions)")
-    student = assets["student"] if 8 + args.max_new_tokens <= 64 else long_context_student(assets["student"], 256)
-    common = ["prepare.kind=none", f"model.hf_path={student}", f"data.path={assets['train.jsonl']}",
-              "data.max_prompt_tokens=8", "warmup.steps=0", "warmup.teacher=null", "eval.interval=0", "eval.data=null",
-              f"steps={args.steps}", "parallel.world_size=1", "parallel.tp=1", "rollout.dynamic_sampling=false",
-              f"rollout.prompts_per_step={args.prompts}", "rollout.n_samples_per_prompt=8",
-              f"train.micro_batch_size={args.micro_batch}", f"rollout.sampling.max_new_tokens={args.max_new_tokens}",
-              f"rollout.sampling.stop_token_ids={STOP_TOKENS[:args.stop_tokens]}", "optim.lr=1e-6",
-              "optim.schedule.min_lr=1e-7",
-              "checkpoint.interval=0", "diagnostics.gain=false"]
+    from megatron_rl.bench.workload import LengthDist
+
+    cap = LengthDist.parse(args.response_len, "--response-len").max
+    if 8 + cap > 256:
+        raise SystemExit(f"--response-len {args.response_len}: at most 248 tokens (8 prompt tokens, 256 positions)")
+    student = assets["student"] if 8 + cap <= 64 else long_context_student(assets["student"], 256)
+    bench = ["bench", RECIPE, "prepare.kind=none", f"model.hf_path={student}", "parallel.world_size=1",
+             "parallel.tp=1", f"rollout.prompts_per_step={args.prompts}", "rollout.n_samples_per_prompt=8",
+             "bench.prompt_len=fixed:8", f"bench.response_len={args.response_len}",
+             f"train.micro_batch_size={args.micro_batch}", "optim.lr=1e-6", "optim.schedule.min_lr=1e-7",
+             "diagnostics.gain=false", "--steps", str(args.steps), "--warmup", str(args.warmup), "--no-progress"]
     runs = {name: [] for name in args.modes}
     for rep in range(args.repeat):  # modes interleaved: a load that drifts over time hits each mode alike
         for name in args.modes:
-            runs[name].append(measure(args, name, common, rep))
+            folder = Path(args.work).resolve() / f"{name.replace(' ', '_')}_r{rep}"
+            runs[name].append(dict(read(folder), load_before="-") if args.report_only
+                              else measure(args, name, bench, rep))
     results = {}
     for name, reps in runs.items():
         # the median repeat (a whole run, so its columns agree); of an even count the lower middle one
@@ -140,27 +135,29 @@ def throughput(args, assets) -> dict:
     return results
 
 
-def measure(args, name, common, rep) -> dict:
-    """One run of one mode: its timed steps' throughput, idle fractions and staleness."""
+def measure(args, name, bench, rep) -> dict:
+    """One bench of one mode (its folder ``--work``/<mode>_r<repeat>)."""
     before = load()
-    lines = run(args, Path(args.work) / f"tp_{name.replace(' ', '_')}", common + MODES[name])
-    timed = [m for m in lines if 3 <= m["step"] < args.steps]
-    wall = sum(m["time/step"] for m in timed)
-    lengths = [m["rollout/response_len_mean"] for m in timed]
-    r = dict(
-        steps_per_s=len(timed) / wall, wall_s=wall, steps=len(timed),
-        gen_tokens_per_s=sum(m["rollout/response_tokens"] for m in timed) / wall,
-        train_tokens_per_s=sum(m["train/tokens"] for m in timed) / wall,
-        engine_idle=statistics.fmean(m["perf/engine_idle_frac"] for m in timed),
-        trainer_idle=statistics.fmean(m["perf/trainer_idle_frac"] for m in timed),
-        staleness_mean=statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in timed),
-        staleness_max=max(m.get("rollout/staleness_max", 0.0) for m in timed),
-        partial_frac=statistics.fmean(m.get("rollout/partial_frac", 0.0) for m in timed),
-        response_len_mean=statistics.fmean(lengths),
-        response_len_max=max(m["rollout/response_len_max"] for m in timed),
-        load_before=before, load_after=load())
+    out = Path(args.work).resolve() / f"{name.replace(' ', '_')}_r{rep}"  # as throughput() reads it
+    run(args, [*bench, *MODES[name], "--out", str(out)])
+    r = dict(read(out), load_before=before, load_after=load())
     print(f"{name} (repeat {rep}): {r['steps_per_s']:.3f} steps/s (load {before} -> {load()})", flush=True)
     return r
+
+
+def read(out: Path) -> dict:
+    """A bench's figures: the medians of its timed steps (``bench.json``); the sequences spanning versions are
+    rare, so their mean over the timed steps (the run's ``metrics.jsonl``)."""
+    bench = json.loads((out / "bench.json").read_text())
+    med = {k: v["median"] for k, v in bench["stats"].items()}
+    timed = [m for m in read_metrics(str(out)) if m.get("step") in set(bench["timed_steps"])]
+    return dict(steps_per_s=1.0 / med["time/step"], step_s=med["time/step"], folder=str(out),
+                tokens_per_s_per_gpu=med.get("perf/tokens_per_s_per_gpu", 0.0),
+                gen_tokens_per_s_per_engine=med.get("bench/gen_tokens_per_s_per_engine"),  # None: no rollout phase
+                engine_idle=med.get("perf/engine_idle_frac", 0.0), trainer_idle=med.get("perf/trainer_idle_frac", 0.0),
+                staleness_mean=med.get("rollout/staleness_mean", 0.0),
+                staleness_max=med.get("rollout/staleness_max", 0.0),
+                partial_frac=sum(m.get("rollout/partial_frac", 0.0) for m in timed) / max(1, len(timed)))
 
 
 def curves(args, assets) -> dict:
@@ -174,7 +171,11 @@ def curves(args, assets) -> dict:
             name = mode if args.curve_seeds == 1 else f"{mode} seed={seed}"
             before = load()
             start = time.perf_counter()
-            lines = run(args, Path(args.work) / f"curve_{name.replace(' ', '_')}", common + MODES[mode] + [f"seed={seed}"])
+            out_dir = Path(args.work) / f"curve_{name.replace(' ', '_')}"
+            run(args, ["train", RECIPE, f"logging.output_dir={out_dir}", "overwrite=true", "logging.progress=false",
+                       "logging.tensorboard=false", "logging.print_samples=0", "checkpoint.save_hf=false", *common,
+                       *MODES[mode], f"seed={seed}"])
+            lines = read_metrics(str(out_dir))
             out[name] = dict(eval={m["step"]: m["eval/reward_mean"] for m in lines if "eval/reward_mean" in m},
                              reward={m["step"]: m["rollout/reward_mean"] for m in lines if "rollout/reward_mean" in m},
                              wall_s=time.perf_counter() - start, load_before=before, load_after=load())
@@ -185,14 +186,17 @@ def curves(args, assets) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per bench")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (start-up, caches, pipeline fill)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
     ap.add_argument("--micro-batch", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--stop-tokens", type=int, default=1, help="how many of STOP_TOKENS stop a response (with EOS)")
+    ap.add_argument("--response-len", default="lognormal:mean=31,sigma=0.8,cap=192",
+                    help="a bench length spec (fixed:N, lognormal:mean=M,sigma=S,cap=C, empirical:PATH)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs per mode (interleaved); the median run is reported (of an even count the lower one)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="no runs: the table again from the benches already in --work")
     ap.add_argument("--curves", action="store_true", help="also the reward curves of sync vs async on the tiny task")
     ap.add_argument("--curves-only", action="store_true")
     ap.add_argument("--curve-steps", type=int, default=200)
@@ -213,17 +217,17 @@ def main() -> None:
         pinned = ("engine server pinned to core 0, trainer to core 1" if args.pin else
                   "unpinned: processes share the cores")
         base = tp.get("sync", {}).get("steps_per_s")
-        print(f"\n### Long-tail workload: {args.prompts} prompts x 8 samples per step, {args.stop_tokens} stop "
-              f"token(s) + EOS, cap {args.max_new_tokens}; 1 trainer + 1 engine process ({pinned}; load average at start "
-              f"{report['load_start']})\n")
-        print("| mode | steps/s (median) | vs sync | each repeat | generated tok/s | trained tok/s | engine idle | "
-              "trainer idle | staleness mean / max | spanning seqs | load (1/5/15 min) before |")
+        print(f"\n### Workload: {args.prompts} prompts x 8 samples per step, responses {args.response_len}; "
+              f"1 trainer + 1 engine process ({pinned}; load average at start {report['load_start']})\n")
+        print("| mode | steps/s (median) | vs sync | each repeat | tokens/s/GPU | gen tokens/s per engine | "
+              "engine idle | trainer idle | staleness mean / max | spanning seqs | load (1/5/15 min) before |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in tp.items():
             ratio = f"{r['steps_per_s'] / base:.2f}x" if base else "-"
             each = ", ".join(f"{x:.2f}" for x in r["repeats_steps_per_s"])
-            print(f"| {name} | {r['steps_per_s']:.3f} | {ratio} | {each} | {r['gen_tokens_per_s']:.0f} | "
-                  f"{r['train_tokens_per_s']:.0f} | {r['engine_idle']:.2f} | {r['trainer_idle']:.2f} | "
+            gen = r["gen_tokens_per_s_per_engine"]
+            print(f"| {name} | {r['steps_per_s']:.3f} | {ratio} | {each} | {r['tokens_per_s_per_gpu']:.0f} | "
+                  f"{'-' if gen is None else f'{gen:.0f}'} | {r['engine_idle']:.2f} | {r['trainer_idle']:.2f} | "
                   f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f} | {r['partial_frac']:.3f} | "
                   f"{r['load_before']} |")
     if args.curves or args.curves_only:

@@ -5,11 +5,13 @@ measured with ``bench`` too, and the table says predicted vs measured step time,
 group, whether the plan's best is the measured best.
 
 Every run: the tiny recipe's model (examples/tiny_cpu.yaml, random init), 8 prompts x 8 samples, prompts of 8
-tokens, ``--warmup 1 --steps 3`` (the median of 3 timed steps); runs are sequential, one ``megatron-rl bench``
-process each; the load average before each run is recorded (the machine is shared: the numbers are only as good
-as it was quiet). A run whose ``bench.json`` exists is not run again (``--rerun`` forces it).
+tokens, ``--warmup 5 --steps 10`` (the median of 10 timed steps after 5 untimed: a tiny run's first steps on this
+machine are up to 2-3x slower, by a varying amount, while caches fill and the run's processes settle); runs
+are sequential, one ``megatron-rl bench`` process each; the load average before each run is recorded (the machine
+is shared: the numbers are only as good as it was quiet). A run whose ``bench.json`` exists is not run again
+(``--rerun`` forces it).
 
-  python tools/bench_plan_validation.py --out bench_results/plan_validation     # ~2 min a run on 2 busy cores
+  python tools/bench_plan_validation.py --out bench_results/plan_validation     # ~1 min a run on 2 cores
   python tools/bench_plan_validation.py --out bench_results/plan_validation --predict-only
 
 Writes ``prediction_error.md`` and ``prediction_error.json`` into ``--out``.
@@ -18,6 +20,7 @@ Writes ``prediction_error.md`` and ``prediction_error.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,6 +41,9 @@ CONFIGS: Dict[str, List[str]] = {
     "disagg_async": ["bench.response_len=fixed:16", *DISAGG, "rollout.mode=async"],
     "tp1_dp2": ["bench.response_len=fixed:16", "parallel.tp=1"],
     "ws1": ["bench.response_len=fixed:16", "parallel.tp=1", "parallel.world_size=1"],
+    "ws1_disagg_sync": ["bench.response_len=fixed:16", "parallel.tp=1", "parallel.world_size=1", *DISAGG],
+    "ws1_disagg_one_step": ["bench.response_len=fixed:16", "parallel.tp=1", "parallel.world_size=1", *DISAGG,
+                            "rollout.mode=one_step"],
     "resp32": ["bench.response_len=fixed:32"],
     "resp8": ["bench.response_len=fixed:8"],
     "lognormal": ["bench.response_len=lognormal:mean=16,sigma=0.5,cap=40"],
@@ -49,9 +55,14 @@ GROUPS = {
     "layout (tp2 / tp1 dp2 / 1 rank)": ["calib", "tp1_dp2", "ws1"],
     "placement (colocated / disaggregated)": ["calib", "disagg_sync"],
     "mode (sync / one-step / async)": ["disagg_sync", "disagg_one_step", "disagg_async"],
-    "all layouts, placements and modes": ["calib", "tp1_dp2", "ws1", "disagg_sync", "disagg_one_step", "disagg_async"],
+    "placement, 1 trainer rank (colocated / disaggregated)": ["ws1", "ws1_disagg_sync"],
+    "all layouts, placements and modes": ["calib", "tp1_dp2", "ws1", "disagg_sync", "disagg_one_step", "disagg_async",
+                                          "ws1_disagg_sync", "ws1_disagg_one_step"],
     "response length (8 / 16 / 32)": ["resp8", "calib", "resp32"],
 }
+
+
+TIE = 0.005  # predictions this close (relative) are a tie: the plan does not order them
 
 
 def load_average() -> float:
@@ -98,8 +109,20 @@ def predict(out: Path) -> Dict[str, object]:
     from megatron_rl.preflight import load_run_config
 
     calib = json.loads((out / "calib" / "calibration.json").read_text())
-    eff = calibration.load(str(out / "calib" / "calibration.json"))
     dev = devices.device("cpu", peak_flops=calib["meta"]["peak_flops"])  # the calibration's peak for all
+
+    def config(name):
+        bench = json.loads((out / name / "bench.json").read_text())
+        cfg = load_run_config(str(out / name / "config.yaml"), [], prepare=False, check=False)
+        w = bench["meta"]["workload"]
+        work = planner.workload_of(cfg, Workload.parse(w["prompt_len"], w["response_len"]))
+        shape = planner.load_shape(cfg.model.hf_path, 4 if cfg.model.dtype == "float32" else 2)
+        return bench, cfg, w, work, shape
+
+    # the calibration again from the calib run's medians (what its calibration.json holds, with this cost model)
+    bench, cfg, _, work, shape = config("calib")
+    eff = calibration.calibrate({k: v["median"] for k, v in bench["stats"].items()}, shape, work,
+                                planner.layout_of(cfg), dev)
     rate = {}  # the machine's single-thread matmul rate around each run (mean of before and after): its load
     for name in CONFIGS:
         path = out / name / "load.json"
@@ -110,11 +133,7 @@ def predict(out: Path) -> Dict[str, object]:
         if not (out / name / "bench.json").exists():
             print(f"{name}: not measured (its runs failed): left out", flush=True)
             continue
-        bench = json.loads((out / name / "bench.json").read_text())
-        cfg = load_run_config(str(out / name / "config.yaml"), [], prepare=False, check=False)
-        w = bench["meta"]["workload"]
-        work = planner.workload_of(cfg, Workload.parse(w["prompt_len"], w["response_len"]))
-        shape = planner.load_shape(cfg.model.hf_path, 4 if cfg.model.dtype == "float32" else 2)
+        bench, cfg, w, work, shape = config(name)
         pred = predict_one(shape, work, planner.layout_of(cfg), dev, eff)
         measured = bench["stats"]["time/step"]
         load = json.loads((out / name / "load.json").read_text())["load_before"] if (out / name / "load.json").exists() \
@@ -130,9 +149,12 @@ def predict(out: Path) -> Dict[str, object]:
             continue
         best_measured = min(names, key=lambda n: by[n]["measured_s"])
         by_pred = sorted(names, key=lambda n: by[n]["predicted_s"])
+        best_pred = by[best_measured]["predicted_s"]
+        ahead = [n for n in names if by[n]["predicted_s"] < best_pred * (1 - TIE)]
+        tied = [n for n in names if n != best_measured and abs(by[n]["predicted_s"] / best_pred - 1) <= TIE]
         groups.append({"group": g, "measured_best": best_measured, "predicted_order": by_pred,
-                       "rank_of_best": by_pred.index(best_measured) + 1})
-    return {"rows": rows, "groups": groups, "efficiency": calib["efficiency"]}
+                       "rank_of_best": len(ahead) + 1, "tied_with": tied})
+    return {"rows": rows, "groups": groups, "efficiency": dataclasses.asdict(eff)}
 
 
 def markdown(res: Dict[str, object]) -> str:
@@ -149,10 +171,13 @@ def markdown(res: Dict[str, object]) -> str:
                   f"{100 * statistics.median(abs(r['error']) for r in others):.0f}%); calib is the calibration run.",
               "", "| comparison | measured best | plan's order | rank of the measured best |", "|---|---|---|---:|"]
     for g in groups:
+        tie = f" (tied with {', '.join(g['tied_with'])})" if g["tied_with"] else ""
         lines.append(f"| {g['group']} | {g['measured_best']} | {' < '.join(g['predicted_order'])} | "
-                     f"{g['rank_of_best']} |")
-    first = sum(g["rank_of_best"] == 1 for g in groups)
-    lines += ["", f"the plan ranks the measured best first in {first} of {len(groups)} comparisons"]
+                     f"{g['rank_of_best']}{tie} |")
+    first = sum(g["rank_of_best"] == 1 and not g["tied_with"] for g in groups)
+    tied = sum(g["rank_of_best"] == 1 and bool(g["tied_with"]) for g in groups)
+    lines += ["", f"the plan ranks the measured best first in {first} of {len(groups)} comparisons"
+              + (f", and first within a predicted tie in {tied} more" if tied else "")]
     return "\n".join(lines) + "\n"
 
 
@@ -160,8 +185,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_results/plan_validation")
     ap.add_argument("--assets", default="runs/tiny_assets", help="the tiny recipe's assets (made if missing)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="measure only these configs")
     ap.add_argument("--rerun", action="store_true")
     ap.add_argument("--predict-only", action="store_true")

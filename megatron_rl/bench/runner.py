@@ -9,7 +9,8 @@ What the bench sets over the recipe (the user's overrides come first; these win)
   rollout: ``ignore_eos``, no dynamic sampling (every group trains: the batch size is the workload's);
 * reward: :func:`.reward.bench_reward` in process; no imitation warm-up, no evaluation, no interval checkpoints;
 * model: ``bench.model_config`` (an HF config) -> a random-weight model (:mod:`.model`), else the recipe's;
-* steps: ``warmup + steps + 1``: the warm-up steps and the last step (which always checkpoints) are not timed.
+* steps: ``warmup + steps + 1``: the warm-up steps and the last step (which always checkpoints) are not timed;
+* ``--mode trainer`` / ``engine``: one side of the step over the same run's phases (:mod:`.loops`), in ``sync``.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_rl.bench.loops import MODES
 from megatron_rl.bench.workload import Workload, write_prompts
 
 BENCH_KEYS = {"model_config": None, "prompt_len": "fixed:16", "response_len": "fixed:32"}
-MODES = ("full",)
 
 
 @dataclass
 class BenchSpec:
     recipe: str
     overrides: List[str] = field(default_factory=list)  # the run's, without the bench.* keys
-    steps: int = 3
-    warmup: int = 1
+    steps: int = 5
+    warmup: int = 3
     mode: str = "full"
     out: Optional[str] = None  # the run folder; default runs/bench/<recipe name>
     model_config: Optional[str] = None
@@ -51,9 +52,11 @@ class BenchSpec:
         """This bench with more overrides (run or ``bench.*``) on top, into ``out``."""
         run, bench = split_overrides(overrides)
         settings = {**self.settings, **bench}
-        return BenchSpec(self.recipe, self.overrides + run, self.steps, self.warmup, self.mode, out,
+        spec = BenchSpec(self.recipe, self.overrides + run, self.steps, self.warmup, self.mode, out,
                          settings.get("model_config"), Workload.parse(settings["prompt_len"], settings["response_len"]),
                          self.progress, settings)
+        spec.check()
+        return spec
 
     def check(self) -> None:
         problems = []
@@ -62,8 +65,12 @@ class BenchSpec:
         if self.warmup < 0:
             problems.append(f"--warmup={self.warmup}: must be >= 0 (1 or more: the first step compiles and warms caches)")
         if self.mode not in MODES:
-            problems.append(f"--mode={self.mode!r}: only {MODES} is implemented (the whole RL step); trainer-only and "
-                            "engine-only modes are not yet")
+            problems.append(f"--mode={self.mode!r}: one of {', '.join(MODES)} (full: the whole RL step; trainer: "
+                            "train steps on one generated batch; engine: rollouts alone)")
+        modes = [o.partition("=")[2] for o in self.overrides if o.partition("=")[0] == "rollout.mode"]
+        if self.mode != "full" and any(m != "sync" for m in modes):
+            problems.append(f"--mode {self.mode} with rollout.mode={modes[-1]}: one side of the step alone has nothing "
+                            "to overlap and runs in sync; leave rollout.mode out (or use --mode full)")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -107,6 +114,8 @@ def run_overrides(spec: BenchSpec, prompts_file: str, model_dir: Optional[str]) 
     ]
     if model_dir:
         out.append(f"model.hf_path={model_dir}")
+    if spec.mode != "full":
+        out.append("rollout.mode=sync")  # one side alone: nothing to overlap (loops.py)
     return spec.overrides + out
 
 
@@ -135,6 +144,7 @@ def prepare(spec: BenchSpec):
 def run(spec: BenchSpec):
     """Run the benchmark; returns ``(rows, cfg, workload facts)``: the run's step rows (``metrics.jsonl``,
     written by the run itself), its config and the realised mean lengths of the prompt file."""
+    from megatron_rl.bench import loops
     from megatron_rl.metrics import read_metrics
     from megatron_rl.orchestration.driver import train
 
@@ -142,8 +152,9 @@ def run(spec: BenchSpec):
     metrics = os.path.join(spec.folder, "metrics.jsonl")
     if os.path.exists(metrics):  # the last bench's: the progress bar must not count it (the run removes it too)
         os.remove(metrics)
+    loop = {"full": train, "trainer": loops.trainer_only, "engine": loops.engine_only}[spec.mode]
     with StepProgress(os.path.join(spec.folder, "metrics.jsonl"), spec.total_steps, spec.progress):
-        train(cfg)
+        loop(cfg)
     rows = [m for m in read_metrics(spec.folder) if m.get("step", 0) >= 1 and "time/step" in m]
     return rows, cfg, facts
 

@@ -15,8 +15,9 @@ import os
 import statistics
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-SUMMARISED = ("time/", "perf/", "sync/", "memory/", "train/tokens", "rollout/response_len_mean", "rollout/seq_len_sq_sum",
-              "rollout/prompt_tokens", "rollout/response_tokens")
+SUMMARISED = ("time/", "perf/", "sync/", "memory/", "train/tokens", "rollout/response_len_mean",
+              "rollout/seq_len_sq_sum", "rollout/prompt_tokens", "rollout/response_tokens", "rollout/staleness_",
+              "rollout/partial_frac")
 PHASES = ("rollout", "reward", "engine_memory", "trainer_memory", "logprobs", "advantages", "train", "diagnostics",
           "weight_sync", "checkpoint")
 # (label, key, scale, format) of the table's rows
@@ -63,7 +64,8 @@ def summarise(rows: Sequence[Mapping[str, float]], warmup: int, engines: int) ->
     timed = timed_rows(rows, warmup)
     if not timed:
         raise ValueError(f"no timed step: the run logged {len(rows)} steps, {warmup} warm-up and the last excluded")
-    keyed = [{**{k: float(v) for k, v in m.items() if k.startswith(SUMMARISED) and isinstance(v, (int, float))},
+    keyed = [{**{k: float(v) for k, v in m.items() if k.startswith(SUMMARISED) and isinstance(v, (int, float))
+                 and (k != "perf/tokens_per_s_per_gpu" or "train/tokens" in m)},  # --mode engine: no training
               **derived(m, engines)} for m in timed]
     out = {}
     for key in sorted(set().union(*keyed)):

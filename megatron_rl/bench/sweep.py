@@ -38,12 +38,13 @@ def run_point(spec: runner.BenchSpec, after: Optional[AfterPoint] = None) -> Dic
 
     rows, cfg, facts = runner.run(spec)
     devs = run_devices(cfg)
-    meta = {"recipe": spec.recipe, "overrides": spec.overrides, "workload": spec.workload.describe(),
+    meta = {"recipe": spec.recipe, "mode": spec.mode, "overrides": spec.overrides, "workload": spec.workload.describe(),
             "realised_lengths": facts, "devices": {"trainer": devs.trainer, "engine": devs.engine,
                                                    "total": devs.total, "colocated": devs.colocated},
             "model": cfg.model.hf_path}
     result = summary.write(spec.folder, rows, spec.warmup, cfg.rollout.num_engines, meta,
-                           title=f"{os.path.basename(spec.recipe)} {' '.join(spec.overrides)}".strip())
+                           title=f"{os.path.basename(spec.recipe)} {' '.join(spec.overrides)}".strip()
+                           + ("" if spec.mode == "full" else f" (--mode {spec.mode})"))
     result["devices"] = devs.total
     if after is not None:
         after(spec, cfg, result)

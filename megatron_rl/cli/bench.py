@@ -1,4 +1,4 @@
-"""``megatron-rl bench RECIPE [key=value ...] [--steps N --warmup K --mode full] [--sweep key=v1,v2 ...]``.
+"""``megatron-rl bench RECIPE [key=value ...] [--steps N --warmup K --mode full|trainer|engine] [--sweep key=v1,v2 ...]``.
 
 Runs the recipe's model, layout, placement and rollout mode on a synthetic workload (``bench.prompt_len=``,
 ``bench.response_len=``: fixed:N, lognormal:mean=M,sigma=S,cap=C, empirical:PATH.jsonl; ``bench.model_config=``
@@ -24,9 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="overrides of the run (e.g. parallel.tp=2 rollout.mode=async) and of the bench "
                         "(bench.prompt_len=fixed:16 bench.response_len=lognormal:mean=24,sigma=0.5,cap=48 "
                         "bench.model_config=path/config.json)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--mode", default="full", help="full: the whole RL step (the only mode so far)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first (default 3: the first steps of a run are slower while caches fill and "
+                        "the run's own processes finish starting)")
+    p.add_argument("--mode", default="full",
+                   help="full: the whole RL step (default); trainer: log-probs + train steps on one generated batch, no "
+                        "rollout or sync; engine: rollout + rewards alone, no training or sync")
     p.add_argument("--out", default=None, help="the run folder (default runs/bench/<recipe name>)")
     p.add_argument("--sweep", nargs="+", metavar="key=v1,v2", default=None,
                    help="a grid: one run per combination, e.g. --sweep parallel.tp=1,2 rollout.mode=sync,async")
@@ -57,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             result = sweep.run_point(spec, after=write_for_bench)
             print(result["table"])
-            print(f"outputs in {spec.folder}: table.md bench.json phases.png calibration.json metrics.jsonl")
+            calib = " calibration.json" if spec.mode == "full" else ""
+            print(f"outputs in {spec.folder}: table.md bench.json phases.png{calib} metrics.jsonl")
     except ConfigError as e:
         print(f"megatron-rl bench: config error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "empirical:PATH.jsonl (default fixed:512)")
     p.add_argument("--response-len", default="lognormal:mean=2048,sigma=0.6,cap=8192",
                    help="as --prompt-len (default lognormal:mean=2048,sigma=0.6,cap=8192)")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="train.max_tokens_per_micro_batch: a train micro-batch's token budget (default 16384)")
+    p.add_argument("--forward-micro-batch-tokens", type=int, default=0,
+                   help="train.forward_max_tokens_per_micro_batch (default 0: as --micro-batch-tokens)")
     p.add_argument("--calibration", default=None, help="a calibration.json written by `megatron-rl bench`")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per parameter (default: 2; cpu: 4)")
     p.add_argument("--cores", type=int, default=None, help="cpu only: physical cores the processes share")
@@ -38,10 +42,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus={args.gpus}: plan for at least 1 device")
         if args.prompts < 1 or args.samples < 1:
             raise ValueError(f"--prompts={args.prompts} --samples={args.samples}: both must be >= 1")
+        if args.micro_batch_tokens < 1 or args.forward_micro_batch_tokens < 0:
+            raise ValueError(f"--micro-batch-tokens={args.micro_batch_tokens} --forward-micro-batch-tokens="
+                             f"{args.forward_micro_batch_tokens}: a budget >= 1 (forward: 0 for the train one's)")
         peak = calibration.measured_peak(args.calibration, args.gpu) if args.calibration else None
         dev = devices.device(args.gpu, cores=args.cores, peak_flops=peak)
         shape = planner.load_shape(args.model_config, args.dtype_bytes or (4 if dev.name == "cpu" else 2))
-        work = planner.plan_workload(args.prompts, args.samples, Workload.parse(args.prompt_len, args.response_len))
+        work = planner.plan_workload(args.prompts, args.samples, Workload.parse(args.prompt_len, args.response_len),
+                                     args.micro_batch_tokens, args.forward_micro_batch_tokens)
         eff = calibration.load(args.calibration) if args.calibration else Efficiency()
     except ValueError as e:
         print(f"megatron-rl plan: {e}", file=sys.stderr)

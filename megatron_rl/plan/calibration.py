@@ -2,10 +2,13 @@
 phase times do not overlap), read by ``megatron-rl plan --calibration``.
 
 From the bench's medians (the run's own metrics): the trainer's FLOPs (``perf/{train,logprob,diagnostics}_flops``)
-over the batch's forward FLOPs give ``trainer_passes``; over the trainer phases' time, devices and peak they give
-the layout's MFU; the measured rollout time over the model's roofline (default efficiencies) gives
-``rollout_scale``; the sync time less its bytes over the link gives ``sync_overhead_s``; the colocated memory
-hand-over is ``handoff_s``; the rest of the step per sequence is ``other_per_seq_s``.
+over the batch's forward FLOPs give ``trainer_passes`` and ``forward_passes``; the forward-only phases (log-probs,
+diagnostics) and the train phase, less their FLOPs at the prior MFU and their modelled communication, give the
+host overheads ``fwd_layer_s`` and ``train_layer_s`` (per layer and micro-batch of one rank with a core to itself;
+a run faster than the prior MFU allows gets a higher MFU and no overhead instead); the measured rollout time over
+the model's roofline (default efficiencies) gives ``rollout_scale``; the sync time less its bytes over the link
+gives ``sync_overhead_s``; the colocated memory hand-over is ``handoff_s``; the rest of the step per sequence is
+``other_per_seq_s``.
 """
 
 from __future__ import annotations
@@ -15,35 +18,50 @@ import json
 import os
 from typing import Any, Mapping
 
-from megatron_rl.plan.cost_model import (Efficiency, Layout, ModelShape, PlanWorkload, layout_prior, rollout_seconds,
-                                         sync_seconds, trainer_seconds)
+from megatron_rl.plan.cost_model import (Efficiency, Layout, ModelShape, PlanWorkload, core_share, rollout_seconds,
+                                         sync_seconds, trainer_terms)
 from megatron_rl.plan.devices import Device
 
-TRAINER_TIMES = ("logprobs", "train", "diagnostics")
 HANDOFF_TIMES = ("engine_memory", "trainer_memory")
 
 
 def calibrate(med: Mapping[str, float], shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device) -> Efficiency:
     """``med``: ``{metric: median}`` of a bench's timed steps."""
+    prior = Efficiency()
     tokens = med.get("train/tokens", 0.0)
     fwd = shape.flops.forward(tokens, med.get("rollout/seq_len_sq_sum") or tokens ** 2 / work.sequences)
-    trainer_flops = sum(med.get(f"perf/{p}_flops", 0.0) for p in ("train", "logprob", "diagnostics"))
-    trainer_s = sum(med.get(f"time/{p}", 0.0) for p in TRAINER_TIMES)
-    passes = trainer_flops / fwd if fwd and trainer_flops else Efficiency.trainer_passes
-    devices = min(lay.trainers, dev.cores) if dev.cores else lay.trainers
-    compute_s = trainer_s - trainer_seconds(shape, work, lay, dev, Efficiency(trainer_passes=0.0))  # less all-reduce
-    mfu = trainer_flops / (compute_s * devices * dev.peak_flops) if compute_s > 0 and trainer_flops else \
-        Efficiency.base_mfu
+    fwd_flops = sum(med.get(f"perf/{p}_flops", 0.0) for p in ("logprob", "diagnostics"))
+    trainer_flops = fwd_flops + med.get("perf/train_flops", 0.0)
+    passes = trainer_flops / fwd if fwd and trainer_flops else prior.trainer_passes
+    fwd_passes = fwd_flops / fwd if fwd and trainer_flops else prior.forward_passes
+    no_overhead = Efficiency(trainer_passes=passes, forward_passes=fwd_passes, fwd_layer_s=0.0, train_layer_s=0.0)
+    terms = trainer_terms(shape, work, lay, dev, no_overhead)
+    fwd_flop_s = terms["flops"] * fwd_passes / passes
+    fwd_s = sum(med.get(f"time/{p}", 0.0) for p in ("logprobs", "diagnostics"))
+    train_s = med.get("time/train", 0.0)
+    # the overheads: what the phases took beyond their FLOPs at the prior MFU and their communication
+    unit = trainer_terms(shape, work, lay, dev, Efficiency(trainer_passes=0.0, forward_passes=fwd_passes,
+                                                           fwd_layer_s=1.0, train_layer_s=1.0))
+    fwd_rest = fwd_s - fwd_flop_s - terms["fwd_tp"]
+    train_rest = train_s - (terms["flops"] - fwd_flop_s) - terms["train_tp"] - terms["dp"]
+    mfu = prior.base_mfu
+    if fwd_rest < 0 or train_rest < 0:  # faster than the prior MFU allows: a higher MFU, no overhead
+        compute = fwd_s + train_s - terms["fwd_tp"] - terms["train_tp"] - terms["dp"]
+        mfu = prior.base_mfu * terms["flops"] / compute if compute > 0 else prior.base_mfu
+        fwd_rest = train_rest = 0.0
+    fwd_layer = fwd_rest / unit["fwd_overhead"] if unit["fwd_overhead"] and fwd_s else prior.fwd_layer_s
+    train_layer = train_rest / unit["train_overhead"] if unit["train_overhead"] and train_s else prior.train_layer_s
     roofline = rollout_seconds(shape, work, lay, dev, Efficiency())
     scale = med.get("time/rollout", 0.0) / roofline if roofline and med.get("time/rollout") else 1.0
     link = sync_seconds(shape, lay, dev, Efficiency(sync_overhead_s=0.0))
-    sync_overhead = max(0.0, med.get("time/weight_sync", med.get("sync/seconds", 0.0)) - link)
+    sync_s = med.get("time/weight_sync", med.get("sync/seconds", 0.0))
+    sync_overhead = max(0.0, sync_s - link) * core_share(lay.trainers, dev)
     handoff = sum(med.get(f"time/{p}", 0.0) for p in HANDOFF_TIMES)
-    named = med.get("time/rollout", 0.0) + trainer_s + med.get("time/weight_sync", 0.0) + handoff
+    named = med.get("time/rollout", 0.0) + fwd_s + train_s + med.get("time/weight_sync", 0.0) + handoff
     other = max(0.0, med.get("time/step", 0.0) - named) / work.sequences
-    return Efficiency(base_mfu=mfu / layout_prior(lay.tp, lay.pp), trainer_passes=passes, rollout_scale=scale,
-                      sync_overhead_s=sync_overhead, other_per_seq_s=other, handoff_s=handoff,
-                      layout_mfu={f"tp{lay.tp}_pp{lay.pp}": mfu}, source="calibrated")
+    return Efficiency(base_mfu=mfu, trainer_passes=passes, forward_passes=fwd_passes, fwd_layer_s=fwd_layer,
+                      train_layer_s=train_layer, rollout_scale=scale, sync_overhead_s=sync_overhead,
+                      other_per_seq_s=other, handoff_s=handoff, source="calibrated")
 
 
 def save(path: str, eff: Efficiency, meta: Mapping[str, Any]) -> None:
@@ -73,9 +91,12 @@ def measured_peak(path: str, device: str) -> "float | None":
     return float(meta["peak_flops"]) if meta.get("device") == device and meta.get("peak_flops") else None
 
 
-def write_for_bench(spec, cfg, result: Mapping[str, Any]) -> str:
+def write_for_bench(spec, cfg, result: Mapping[str, Any]) -> "str | None":
     """A bench point's ``calibration.json`` (``megatron_rl.bench.sweep.run_point``'s ``after``): the efficiencies
-    of its medians on this machine's device (a known GPU, else the CPU, at the peak measured now)."""
+    of its medians on this machine's device (a known GPU, else the CPU, at the peak measured now). Only a
+    ``--mode full`` bench calibrates: the cost model's phases are those of the whole step."""
+    if spec.mode != "full":
+        return None
     import torch
 
     from megatron_rl.plan import devices, planner

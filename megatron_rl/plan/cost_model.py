@@ -3,25 +3,35 @@
 With ``N = prompts x samples`` sequences of prompt length ``p`` and response length ``r`` (expectations over the
 workload's distributions; ``E[(p+r)^2]`` for attention):
 
-* trainer (log-probs + train + diagnostics): ``k x F_fwd / (trainer devices x peak x MFU(layout))`` where
-  ``F_fwd`` is :class:`megatron_rl.perf.ModelFlops` forward FLOPs of the batch and ``k`` the passes (3 for
-  forward + backward, +1 per log-prob forward; calibrated: the run's own ``perf/*_flops`` over ``F_fwd``).
-  ``MFU(layout) = base MFU x 0.92^log2(tp) x m / (m + pp - 1)`` (TP communication; the pipeline bubble with
-  ``m = 8`` micro-batches), ``base`` calibrated; plus a data-parallel gradient all-reduce,
-  ``2 (dp-1)/dp x gradient bytes / (tp pp) / link``.
+* trainer (log-probs + train + diagnostics), per rank: the FLOPs, ``k x F_fwd / (trainer devices x peak x MFU x
+  0.92^log2(tp) x m / (m + pp - 1))`` (``F_fwd``: :class:`megatron_rl.perf.ModelFlops` forward FLOPs of the batch;
+  ``k`` the passes, 3 for forward + backward, +1 per forward-only pass, calibrated from the run's own
+  ``perf/*_flops``; TP communication; the pipeline bubble with ``m = 8`` micro-batches), plus the host overhead
+  that no parallelism divides: ``fwd_layer_s`` per layer and forward micro-batch, ``train_layer_s`` per layer and
+  train micro-batch (kernel launches, dispatch: what makes small models and small micro-batches launch-bound),
+  over each rank's ``m + pp - 1`` pipeline slots of ``layers / pp``; micro-batches per rank from the token budgets
+  (``train.max_tokens_per_micro_batch``, forward's) or ``micro_batch_size``; plus TP's collectives
+  (``4 x layers / pp + 3`` per micro-batch and pass: sequence-parallel all-gather / reduce-scatter around
+  attention and MLP, the vocabulary-parallel head's reductions; each ``collective latency + activation bytes /
+  link``) and the data-parallel gradient all-reduce, ``2 (dp-1)/dp x gradient bytes / (tp pp) / link``.
+  Calibration keeps MFU at its prior and gives the overheads the rest of the measured phases (a run faster than
+  the prior allows raises MFU instead).
 * rollout per engine (``N / engines`` sequences): a roofline of memory bandwidth, ``S x weight bytes / (tp x HBM)``
   for ``S`` decode steps (the expected longest response of the engine's batch) plus the KV cache read at each
   token, plus the FLOPs of every generated sequence (prefill and decode) at ``decode_flop_eff`` of the peak;
   the whole times a calibrated ``rollout_scale`` (1 on GPUs before calibration).
-* weight sync: ``sync_overhead_s + weight bytes / (tp x pp sending ranks x link GB/s x 0.7)``; the link is
+* weight sync: ``sync_overhead_s + weight bytes / (tp x pp sending ranks x link GB/s x 0.7)`` (on CPU the overhead
+  at the trainer ranks' core share, below); the link is
   NVLink when trainers and engines share a node (colocated, or disaggregated within one node), else the NIC.
 * other (reward, advantages, batching): ``other_per_seq_s x N``; colocated placement adds the memory
   hand-over ``handoff_s`` (engines release / resume, trainer offload).
 * mode: ``sync`` adds rollout and trainer; ``one_step`` and ``async`` (disaggregated placement only: colocated engines
   and trainers share the devices) overlap them, ``max(rollout, trainer)``; ``async`` with staleness ``k`` also
   shortens the decode tail: ``S = E[r] + (E[max r] - E[r]) / (k + 1)`` (generation continues across steps).
-  On CPU the processes share ``cores``: overlapped work takes at least its core-seconds / cores, and a phase
-  gets at most ``cores`` processes' worth of compute. (A load correction by the matmul rate measured before
+  On CPU the processes share ``cores``, less the ``background_cores`` the driver and Ray's processes keep
+  busy: ``P`` processes running at once get ``min(1, (cores - background) / P)`` of a core each (every trainer
+  term and the weight sync's overhead run at that share), and overlapped work takes at least its core-seconds
+  over the cores left. (A load correction by the matmul rate measured before
   and after each run made the CPU validation worse -- the same config measured twice was predicted 3x apart
   -- so the machine's load is not modelled: calibrate and plan on the same, quiet machine.)
 """
@@ -30,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict
 
 import numpy as np
@@ -52,6 +62,7 @@ class ModelShape:
     layers: int
     num_experts: int
     bytes_per_param: int = 2
+    hidden: int = 0  # the residual stream's width (TP's activation collectives)
 
     @classmethod
     def from_arch(cls, arch, bytes_per_param: int = 2) -> "ModelShape":
@@ -64,7 +75,7 @@ class ModelShape:
         per_layer = sum(attn + (experts if moe else 3 * h * arch.ffn_hidden_size) for moe in moe_layers)
         embed = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
         return cls(f, float(per_layer + embed), float(f.linear_params), 2 * kv, arch.num_layers, arch.num_experts,
-                   bytes_per_param)
+                   bytes_per_param, h)
 
     @property
     def weight_bytes(self) -> float:
@@ -77,10 +88,25 @@ class PlanWorkload:
     samples: int  # per prompt
     prompt: LengthDist
     response: LengthDist
+    train_mb_tokens: int = 16384  # train.max_tokens_per_micro_batch (0: micro_batch_size sequences)
+    forward_mb_tokens: int = 0  # train.forward_max_tokens_per_micro_batch (0: as train)
+    micro_batch_size: int = 1
 
     @property
     def sequences(self) -> int:
         return self.prompts * self.samples
+
+    def micro_batches(self, dp: int) -> "tuple[int, int]":
+        """(forward, train) micro-batches of one data-parallel rank: sequences of the mean length packed under
+        the token budget (``token_budget.py`` gives every rank the same count)."""
+        ep, er = self.prompt.expected()[0], self.response.expected()[0]
+        seqs = math.ceil(self.sequences / dp)
+
+        def count(budget: int) -> int:
+            per = self.micro_batch_size if budget <= 0 else max(1, int(budget // (ep + er)))
+            return math.ceil(seqs / per)
+
+        return count(self.forward_mb_tokens or self.train_mb_tokens), count(self.train_mb_tokens)
 
     def moments(self):
         ep, ep2 = self.prompt.expected()
@@ -137,20 +163,21 @@ class Layout:
 class Efficiency:
     """The calibrated constants (defaults: before any calibration; ``source`` says which)."""
 
-    base_mfu: float = 0.45  # trainer MFU of a tp1 pp1 layout
+    base_mfu: float = 0.45  # trainer MFU of a tp1 pp1 layout (the FLOP term; calibration keeps it)
     trainer_passes: float = 4.0  # k: trainer FLOPs / F_fwd
+    forward_passes: float = 1.0  # of which forward-only passes (old log-probs, reference, diagnostics)
+    fwd_layer_s: float = 1e-4  # host overhead per layer and forward micro-batch, one rank, a core to itself
+    train_layer_s: float = 3e-4  # the same per train micro-batch (forward + backward)
     decode_bw_eff: float = 0.6
     decode_flop_eff: float = 0.5
     rollout_scale: float = 1.0
     sync_overhead_s: float = 0.5
     other_per_seq_s: float = 1e-4
     handoff_s: float = 1.0
-    layout_mfu: Dict[str, float] = field(default_factory=dict)  # "tp2_pp1" -> measured base MFU there
     source: str = "defaults"
 
     def mfu(self, tp: int, pp: int) -> float:
-        """A measured layout's own MFU, else the base MFU times the layout's prior factor."""
-        return self.layout_mfu.get(f"tp{tp}_pp{pp}") or self.base_mfu * layout_prior(tp, pp)
+        return self.base_mfu * layout_prior(tp, pp)
 
 
 def layout_prior(tp: int, pp: int) -> float:
@@ -177,6 +204,13 @@ def _eff_devices(n: int, dev: Device) -> int:
     return min(n, dev.cores) if dev.cores else n
 
 
+def core_share(processes: int, dev: Device) -> float:
+    """The share of a core each of ``processes`` CPU processes running at once gets (1 on GPUs)."""
+    if not dev.cores:
+        return 1.0
+    return min(1.0, max(dev.cores - dev.background_cores, 0.5) / max(processes, 1))
+
+
 def rollout_seconds(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff: Efficiency) -> float:
     ep, er, e_sq = work.moments()
     n = work.sequences / lay.engines
@@ -193,21 +227,48 @@ def rollout_seconds(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Dev
 
 
 def trainer_seconds(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff: Efficiency) -> float:
+    return sum(trainer_terms(shape, work, lay, dev, eff).values())
+
+
+def trainer_terms(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff: Efficiency) -> Dict[str, float]:
+    """The trainer's time in its terms: ``flops``, ``fwd_overhead``, ``train_overhead``, ``fwd_tp``, ``train_tp``,
+    ``dp``."""
     ep, er, e_sq = work.moments()
     n = work.sequences
     fwd = shape.flops.forward(n * (ep + er), n * e_sq)
-    compute = eff.trainer_passes * fwd / (_eff_devices(lay.trainers, dev) * dev.peak_flops * eff.mfu(lay.tp, lay.pp))
-    allreduce = 0.0
+    share = core_share(lay.trainers, dev)
+    flops = eff.trainer_passes * fwd / (lay.trainers * share * dev.peak_flops * eff.mfu(lay.tp, lay.pp))
+    n_fwd, n_train = work.micro_batches(lay.dp)
+    stage_layers = shape.layers / lay.pp
+    fwd_slots, train_slots = eff.forward_passes * (n_fwd + lay.pp - 1), n_train + lay.pp - 1
+    out = {"flops": flops, "fwd_overhead": fwd_slots * stage_layers * eff.fwd_layer_s / share,
+           "train_overhead": train_slots * stage_layers * eff.train_layer_s / share, "fwd_tp": 0.0, "train_tp": 0.0,
+           "dp": 0.0}
+    if lay.tp > 1:
+        tokens = n * (ep + er) / lay.dp  # one rank's; forward and backward each collect once per micro-batch
+        out["fwd_tp"] = fwd_slots * tp_collectives_seconds(shape, stage_layers, tokens / n_fwd, lay, dev) / share
+        out["train_tp"] = 2 * train_slots * tp_collectives_seconds(shape, stage_layers, tokens / n_train, lay,
+                                                                   dev) / share
     if lay.dp > 1:
         link = dev.intra_gb_per_s if lay.trainers <= dev.per_node else dev.inter_gb_per_s
-        allreduce = 2 * (lay.dp - 1) / lay.dp * shape.weight_bytes / (lay.tp * lay.pp) / (link * 1e9)
-    return compute + allreduce
+        out["dp"] = (2 * (lay.dp - 1) / lay.dp * shape.weight_bytes / (lay.tp * lay.pp) / (link * 1e9)
+                     + 2 * dev.collective_latency_s / share)
+    return out
+
+
+def tp_collectives_seconds(shape: ModelShape, layers: float, tokens: float, lay: Layout, dev: Device) -> float:
+    """One micro-batch's TP collectives in one pass (forward or backward): ``4 x layers + 3`` of them, each the
+    latency plus ``(tp-1)/tp`` of the activations (``tokens x hidden``) over the link."""
+    count = 4 * layers + 3
+    bytes_ = tokens * shape.hidden * shape.bytes_per_param * (lay.tp - 1) / lay.tp
+    return count * dev.collective_latency_s + 4 * layers * bytes_ / (dev.intra_gb_per_s * 1e9)
 
 
 def sync_seconds(shape: ModelShape, lay: Layout, dev: Device, eff: Efficiency) -> float:
     one_node = lay.placement == "colocated" or lay.devices <= dev.per_node
     link = dev.intra_gb_per_s if one_node else dev.inter_gb_per_s
-    return eff.sync_overhead_s + shape.weight_bytes / (lay.tp * lay.pp) / (link * 1e9 * 0.7)
+    return (eff.sync_overhead_s / core_share(lay.trainers, dev)
+            + shape.weight_bytes / (lay.tp * lay.pp) / (link * 1e9 * 0.7))
 
 
 def predict(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff: Efficiency) -> Prediction:
@@ -219,9 +280,10 @@ def predict(shape: ModelShape, work: PlanWorkload, lay: Layout, dev: Device, eff
     other = eff.other_per_seq_s * n + (eff.handoff_s if lay.placement == "colocated" else 0.0)
     if lay.mode != "sync" and lay.placement == "disaggregated":
         busy = max(roll, trainer)
-        if dev.cores:  # overlapping processes share the cores
-            core_s = roll * _eff_devices(lay.engine_devices, dev) + trainer * _eff_devices(lay.trainers, dev)
-            busy = max(busy, core_s / dev.cores)
+        if dev.cores:  # overlapping processes share the cores the driver and Ray leave
+            core_s = (roll * _eff_devices(lay.engine_devices, dev)
+                      + trainer * lay.trainers * core_share(lay.trainers, dev))  # its time is at that share
+            busy = max(busy, core_s / max(dev.cores - dev.background_cores, 0.5))
     else:
         busy = roll + trainer
     step = busy + sync + other

@@ -70,8 +70,9 @@ def rank(shape: ModelShape, work: PlanWorkload, dev: Device, eff: Efficiency, n_
     return sorted(fitting, key=lambda p: (p.step_s, p.layout.devices, p.layout.describe()))
 
 
-def plan_workload(prompts: int, samples: int, workload: Workload) -> PlanWorkload:
-    return PlanWorkload(prompts, samples, workload.prompt, workload.response)
+def plan_workload(prompts: int, samples: int, workload: Workload, train_mb_tokens: int = 16384,
+                  forward_mb_tokens: int = 0) -> PlanWorkload:
+    return PlanWorkload(prompts, samples, workload.prompt, workload.response, train_mb_tokens, forward_mb_tokens)
 
 
 def format_plan(preds: List[Prediction], shape: ModelShape, work: PlanWorkload, dev: Device, eff: Efficiency,
@@ -92,10 +93,15 @@ def format_plan(preds: List[Prediction], shape: ModelShape, work: PlanWorkload, 
     lines += ["", "assumptions:",
               f"* device {dev.name}: {dev.peak_flops / 1e12:.4g} TFLOP/s peak, {dev.hbm_bytes_per_s / 1e9:.0f} GB/s "
               f"memory, links {dev.intra_gb_per_s:g} GB/s in a node / {dev.inter_gb_per_s:g} GB/s between nodes, "
-              f"{dev.memory_gib:g} GiB, {dev.per_node} per node" + (f", {dev.cores} shared cores" if dev.cores else "")
+              f"{dev.memory_gib:g} GiB, {dev.per_node} per node, collectives {1e6 * dev.collective_latency_s:g} us"
+              + (f", {dev.cores} shared cores ({dev.background_cores:g} kept busy by the driver and Ray)"
+                 if dev.cores else "")
               + f" ({dev.source})",
               f"* efficiencies ({eff.source}): trainer base MFU {100 * eff.base_mfu:.2f}% (x 0.92 per TP doubling, "
-              f"x the PP bubble), {eff.trainer_passes:.2f} trainer passes per forward, decode at "
+              f"x the PP bubble), {eff.trainer_passes:.2f} trainer passes per forward ({eff.forward_passes:.2f} "
+              f"forward-only), host overhead {1e3 * eff.fwd_layer_s:.3f} / {1e3 * eff.train_layer_s:.3f} ms per layer "
+              f"and forward / train micro-batch ({work.train_mb_tokens or work.micro_batch_size} "
+              f"{'tokens' if work.train_mb_tokens else 'sequences'} a train micro-batch), decode at "
               f"{100 * eff.decode_bw_eff:.0f}% of memory bandwidth and {100 * eff.decode_flop_eff:.0f}% of peak FLOPs, "
               f"rollout x{eff.rollout_scale:.3g}, weight sync overhead {eff.sync_overhead_s:.3f} s, other "
               f"{1e3 * eff.other_per_seq_s:.3f} ms/sequence, colocated hand-over {eff.handoff_s:.3f} s",
@@ -112,5 +118,7 @@ def layout_of(cfg) -> Layout:
 
 
 def workload_of(cfg, workload: Workload) -> PlanWorkload:
+    t = cfg.train
     return PlanWorkload(cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt, workload.prompt,
-                        workload.response)
+                        workload.response, t.max_tokens_per_micro_batch, t.forward_max_tokens_per_micro_batch,
+                        t.micro_batch_size)

@@ -33,8 +33,14 @@ def test_overrides_split_and_errors():
     assert run == ["parallel.tp=2", "rollout.mode=async"] and bench["response_len"] == "fixed:9"
     with pytest.raises(ValueError, match="bench.respons_len: unknown bench setting; known: bench.model_config"):
         runner.split_overrides(["bench.respons_len=4"])
-    with pytest.raises(ValueError, match="--mode='engine'"):
-        runner.BenchSpec.from_args("x.yaml", [], mode="engine")
+    with pytest.raises(ValueError, match="--mode='engines': one of full, trainer, engine"):
+        runner.BenchSpec.from_args("x.yaml", [], mode="engines")
+    assert "rollout.mode=sync" in runner.run_overrides(runner.BenchSpec("x.yaml", mode="trainer"), "p.jsonl", None)
+    assert "rollout.mode=sync" not in runner.run_overrides(runner.BenchSpec("x.yaml"), "p.jsonl", None)
+    with pytest.raises(ValueError, match="--mode engine with rollout.mode=async: .* runs in sync"):
+        runner.BenchSpec.from_args("x.yaml", ["rollout.mode=async"], mode="engine")
+    with pytest.raises(ValueError, match="--mode trainer with rollout.mode=one_step"):
+        runner.BenchSpec.from_args("x.yaml", [], mode="trainer").with_overrides(["rollout.mode=one_step"], "o")
     with pytest.raises(ValueError, match="--sweep 'parallel.tp'"):
         sweep.parse_grid(["parallel.tp"])
     assert sweep.parse_grid(["parallel.tp=1,2"]) == [("parallel.tp", ["1", "2"])]
@@ -46,7 +52,7 @@ def _rows():
     for step in range(1, 8):
         m = {"step": step, "time/step": 1.0 + rng.random(), "time/rollout": 0.4, "time/train": 0.3,
              "perf/tokens_per_s_per_gpu": 100 * rng.random(), "perf/rollout_tokens_per_s": 500.0 + step,
-             "sync/link0/gb_per_s": 1.0, "sync/link1/gb_per_s": 3.0, "rollout/reward_mean": 0.5}
+             "sync/link0/gb_per_s": 1.0, "sync/link1/gb_per_s": 3.0, "rollout/reward_mean": 0.5, "train/tokens": 64.0}
         out.append(m)
     return out
 
@@ -70,6 +76,9 @@ def test_summary_is_the_runs_own_metrics_over_the_timed_steps(tmp_path):
     assert (tmp_path / "phases.png").stat().st_size > 5000
     with pytest.raises(ValueError, match="no timed step"):
         summary.summarise(rows[:2], warmup=2, engines=1)
+    # --mode engine: nothing trained, so no tokens/s/GPU (the run logs 0 for it), the rollout's figures stay
+    engine = summary.summarise([{k: v for k, v in m.items() if k != "train/tokens"} for m in rows], 2, 2)
+    assert "perf/tokens_per_s_per_gpu" not in engine and "bench/gen_tokens_per_s_per_engine" in engine
 
 
 def test_scaling_table():
